@@ -1,0 +1,48 @@
+"""Shared fixtures: the real Intel images (skipped when absent) and small model folders."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+
+INTEL = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "intel" / "seg_train"
+CLASSES = ["buildings", "forest", "glacier", "mountain", "sea", "street"]
+# a tiny ViT (depth 2, width 64) at 32 px: fast enough for many CPU tests
+TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2)
+
+
+@pytest.fixture(scope="session")
+def intel_dir() -> Path:
+    if not INTEL.is_dir():
+        pytest.skip(f"real Intel images not found at {INTEL} (CI always has them)")
+    return INTEL
+
+
+def make_subset(src: Path, dst: Path, per_class: int, classes=CLASSES) -> Path:
+    """A class-folder tree of symlinks to the first `per_class` real images of each class."""
+    for name in classes:
+        (dst / name).mkdir(parents=True, exist_ok=True)
+        for image in sorted((src / name).iterdir())[:per_class]:
+            (dst / name / image.name).symlink_to(image)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def small_intel(intel_dir, tmp_path_factory) -> Path:
+    """40 real images per class in one folder of class folders."""
+    return make_subset(intel_dir, tmp_path_factory.mktemp("intel40"), 40)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A saved 6-class tiny model folder (config.json + model.safetensors) with Intel's label names."""
+    import torch
+    from vit_finetune import create_model, save_pretrained
+
+    torch.manual_seed(0)
+    model = create_model("vit_tiny_patch16_224", num_classes=len(CLASSES), **TINY)
+    model.pretrained_cfg["label_names"] = list(CLASSES)
+    return save_pretrained(model, tmp_path_factory.mktemp("tiny_model"))

@@ -1,0 +1,418 @@
+"""Model sources and weight loading: timm tags on the Hub, Hub repos, local folders and files.
+
+`create_model` resolves a name (architecture, alias, `hf-hub:org/repo`, `local-dir:PATH`) and
+a `pretrained` value into a hyperparameter set and, lazily, a weights file; builds the native
+model; and fits the checkpoint to it (torchvision layout conversion, patch and position
+embedding resampling, classifier re-initialisation). Anything else that does not fit is an
+error that names the keys: never a silent partial load.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import torch
+
+from .archs import get_arch, split_name
+from .errors import VitftError
+from .model import VisionTransformer
+from .pos_embed import resize_pos_embed
+
+log = logging.getLogger("vitft")
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+TORCH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
+HEAD_KEYS = ("head.weight", "head.bias")
+# pretrained_cfg entries that are about where weights were, not how to use them
+_LOCATION_KEYS = ("url", "file", "hf_hub_id", "hf_hub_filename", "source", "state_dict", "architecture")
+_MODEL_ARGS = set(inspect.signature(VisionTransformer.__init__).parameters) - {"self"}
+
+Pretrained = Union[bool, str, os.PathLike, None]
+
+
+@dataclass
+class Source:
+    """A resolved model: architecture, hyperparameters, preprocessing, and where its weights are."""
+
+    arch: str
+    model_args: dict = field(default_factory=dict)
+    pretrained_cfg: dict = field(default_factory=dict)
+    weights: Optional[Callable[[], Path]] = None  # fetches (downloads) on call
+    origin: str = "random init"
+
+
+# ---- sources ---------------------------------------------------------------------------------
+def _timm_cfg(arch: str, tag: Optional[str]) -> dict:
+    """timm's pretrained config (preprocessing, Hub id, class count) for `arch.tag`."""
+    import timm
+
+    full = f"{arch}.{tag}" if tag else arch
+    cfg = timm.models.get_pretrained_cfg(full, allow_unregistered=False) if tag else None
+    if tag and cfg is None:
+        tags = [n.split(".", 1)[1] for n in timm.list_pretrained(f"{arch}.*")]
+        raise VitftError(f"unknown pretrained tag {tag!r} for {arch}; available: {', '.join(tags) or 'none'}")
+    if cfg is None:
+        cfg = timm.models.get_pretrained_cfg(arch)
+    out = cfg.to_dict() if cfg is not None else {}
+    out.update(architecture=arch, tag=tag or out.get("tag"))
+    return out
+
+
+def _hub_download(repo_id: str, filenames: tuple[str, ...], revision: Optional[str] = None) -> Path:
+    """The first of `filenames` that the repo has, through the HF cache (honours HF_HOME, HF_HUB_OFFLINE...)."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    missing = []
+    for filename in filenames:
+        try:
+            return Path(hf_hub_download(repo_id, filename, revision=revision))
+        except EntryNotFoundError:
+            missing.append(filename)
+        except RepositoryNotFoundError as err:
+            raise VitftError(f"Hub repo {repo_id!r} not found (or private: set HF_TOKEN)") from err
+        except LocalEntryNotFoundError as err:
+            offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+            why = "HF_HUB_OFFLINE is set" if offline else "the Hub could not be reached"
+            raise VitftError(
+                f"{repo_id}/{filename} is not in the local HF cache and {why}; download it once with network "
+                f"access or pass a local weights file") from err
+    raise VitftError(f"Hub repo {repo_id!r} has none of {', '.join(missing)}")
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise VitftError(f"cannot read model config {path}: {err}") from err
+
+
+def _weights_in(folder: Path) -> Path:
+    for name in WEIGHT_FILES:
+        if (folder / name).is_file():
+            return folder / name
+    raise VitftError(f"{folder} has no weights file ({' or '.join(WEIGHT_FILES)})")
+
+
+def _source_from_config(config: dict, weights: Optional[Callable[[], Path]], origin: str) -> Source:
+    """A timm-format config.json (what timm's push_to_hub and vitft write) as a Source."""
+    if "architecture" not in config:
+        raise VitftError(f"{origin}: config.json has no 'architecture'; is this a timm/vitft model folder?")
+    arch, _ = split_name(config["architecture"])
+    cfg = dict(config.get("pretrained_cfg", {}), architecture=arch)
+    for key in ("num_classes", "label_names"):
+        if key in config:
+            cfg[key] = config[key]
+    return Source(arch, dict(config.get("model_args", {})), cfg, weights, origin)
+
+
+def _folder_source(folder: Path, origin: str) -> Source:
+    if not (folder / "config.json").is_file():
+        raise VitftError(f"{folder} has no config.json; pass a model folder written by vitft or timm")
+    return _source_from_config(_read_config(folder / "config.json"), lambda: _weights_in(folder), origin)
+
+
+def _hub_source(spec: str) -> Source:
+    repo_id, _, revision = spec.partition("@")
+    config = _read_config(_hub_download(repo_id, ("config.json",), revision or None))
+    return _source_from_config(
+        config, lambda: _hub_download(repo_id, WEIGHT_FILES, revision or None), f"hf-hub:{spec}")
+
+
+def _named_source(name: str) -> Source:
+    """`hf-hub:`/`local-dir:` prefixes, a model folder, or an architecture / alias / arch.tag."""
+    if name.startswith("hf-hub:"):
+        return _hub_source(name[len("hf-hub:"):])
+    if name.startswith("local-dir:"):
+        return _folder_source(Path(name[len("local-dir:"):]).expanduser(), name)
+    if Path(name).is_dir():
+        return _folder_source(Path(name), str(name))
+    arch, tag = split_name(name)
+    cfg = _timm_cfg(arch, tag)
+
+    def download() -> Path:
+        if not cfg.get("hf_hub_id"):
+            raise VitftError(f"{arch}.{cfg.get('tag')} has no weights on the Hub; pass a weights file")
+        files = (cfg["hf_hub_filename"],) if cfg.get("hf_hub_filename") else WEIGHT_FILES
+        return _hub_download(cfg["hf_hub_id"], files)
+
+    return Source(arch, {}, cfg, download, f"timm/{arch}.{cfg.get('tag')}")
+
+
+def resolve(name: str, pretrained: Pretrained = False) -> Source:
+    """Resolve `create_model`'s (name, pretrained) pair without building anything."""
+    source = _named_source(str(name))
+    if not pretrained:
+        source.weights, source.origin = None, "random init"
+        return source
+    if pretrained is True:
+        return source
+    spec = str(pretrained)
+    path = Path(spec).expanduser()
+    if spec.startswith(("hf-hub:", "local-dir:")) or path.is_dir():
+        weights_source = _named_source(spec)
+        if weights_source.arch != source.arch:
+            raise VitftError(f"{spec} holds a {weights_source.arch} model, not {source.arch}; drop --model "
+                             f"or pick {weights_source.arch}")
+        return weights_source
+    if path.suffix in (".safetensors", *TORCH_SUFFIXES) or os.sep in spec:
+        if not path.is_file():
+            raise VitftError(f"weights file {spec} not found")
+        source.weights, source.origin = (lambda: path), str(path)
+        return source
+    weights_source = _named_source(spec)  # an arch.tag or alias naming other weights
+    if weights_source.arch != source.arch:
+        raise VitftError(f"{spec} are weights for {weights_source.arch}, not {source.arch}")
+    return weights_source
+
+
+# ---- building ----------------------------------------------------------------------------------
+def _model_kwargs(source: Source, num_classes: Optional[int], img_size, overrides: dict) -> dict:
+    unknown = sorted(set(overrides) - _MODEL_ARGS)
+    if unknown:
+        raise VitftError(f"unknown model argument(s) {', '.join(unknown)}; valid: {', '.join(sorted(_MODEL_ARGS))}")
+    kwargs = get_arch(source.arch).kwargs
+    cfg = source.pretrained_cfg
+    if cfg.get("num_classes") is not None and cfg["num_classes"] >= 0:
+        kwargs["num_classes"] = cfg["num_classes"]
+    if cfg.get("fixed_input_size") and cfg.get("input_size"):
+        kwargs["img_size"] = tuple(cfg["input_size"][-2:])
+    kwargs.update(source.model_args, **overrides)
+    if img_size is not None:
+        kwargs["img_size"] = img_size
+    if num_classes is not None:
+        kwargs["num_classes"] = num_classes
+    return kwargs
+
+
+def create_model(
+    name: str,
+    pretrained: Pretrained = False,
+    num_classes: Optional[int] = None,
+    img_size: Optional[Union[int, tuple[int, int]]] = None,
+    **overrides,
+) -> VisionTransformer:
+    """Build a native ViT by name, optionally with weights; see the module docstring for sources.
+
+    `model.pretrained_cfg` carries the weights' preprocessing (mean, std, interpolation, crop_pct,
+    input_size) and label names; `model.model_args` the hyperparameters that differ from the
+    architecture's defaults (what an exported config.json records).
+    """
+    source = resolve(name, pretrained)
+    kwargs = _model_kwargs(source, num_classes, img_size, overrides)
+    try:
+        model = VisionTransformer(**kwargs)
+    except (ValueError, TypeError) as err:
+        raise VitftError(f"cannot build {source.arch}: {err}") from err
+    if source.weights is not None:
+        load_weights(model, source.weights(), source.pretrained_cfg)
+    defaults = get_arch(source.arch).kwargs
+    model.model_args = {k: v for k, v in kwargs.items()
+                        if k != "num_classes" and _plain(v) != _plain(defaults.get(k, _default_arg(k)))}
+    cfg = {k: v for k, v in source.pretrained_cfg.items() if k not in _LOCATION_KEYS}
+    if model.num_classes != cfg.get("num_classes"):
+        cfg.pop("label_names", None)  # the head was replaced: the old labels no longer apply
+    cfg.update(architecture=source.arch, num_classes=model.num_classes, source=source.origin,
+               input_size=(3, *model.patch_embed.img_size))
+    model.pretrained_cfg = cfg
+    return model
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _default_arg(name: str):
+    return inspect.signature(VisionTransformer.__init__).parameters[name].default
+
+
+# ---- reading checkpoints -----------------------------------------------------------------------
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors from a .safetensors or torch checkpoint, unwrapped from training wrappers."""
+    path = Path(path)
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any parse failure means the same thing to the user
+        raise VitftError(f"cannot read weights from {path}: corrupted or not a checkpoint ({type(err).__name__})") \
+            from err
+    for wrapper in ("state_dict", "model", "module"):
+        if isinstance(state, dict) and isinstance(state.get(wrapper), dict):
+            state = state[wrapper]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise VitftError(f"{path} does not hold a state dict of tensors")
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def is_torchvision(state: dict) -> bool:
+    return "conv_proj.weight" in state and "encoder.pos_embedding" in state
+
+
+def convert_torchvision(state: dict) -> dict:
+    """torchvision's `VisionTransformer` keys -> timm's names (same tensors, no reordering needed)."""
+    if any(k.startswith("heads.pre_logits") for k in state):
+        raise VitftError("torchvision ViTs with a representation (pre_logits) layer are not supported")
+    renames = [
+        (r"^conv_proj\.", "patch_embed.proj."),
+        (r"^class_token$", "cls_token"),
+        (r"^encoder\.pos_embedding$", "pos_embed"),
+        (r"^encoder\.ln\.", "norm."),
+        (r"^heads\.head\.", "head."),
+        (r"^encoder\.layers\.encoder_layer_(\d+)\.", r"blocks.\1."),
+        (r"\.ln_1\.", ".norm1."), (r"\.ln_2\.", ".norm2."),
+        (r"\.self_attention\.in_proj_(weight|bias)$", r".attn.qkv.\1"),
+        (r"\.self_attention\.out_proj\.", ".attn.proj."),
+        (r"\.mlp\.(0|linear_1)\.", ".mlp.fc1."), (r"\.mlp\.(3|linear_2)\.", ".mlp.fc2."),
+    ]
+    out = {}
+    for key, value in state.items():
+        for pattern, repl in renames:
+            key = re.sub(pattern, repl, key)
+        out[key] = value
+    return out
+
+
+# ---- fitting a checkpoint to the model ------------------------------------------------------------
+def _old_grid(state: dict, model: VisionTransformer, cfg: dict) -> tuple[int, int]:
+    """The patch grid the checkpoint's position embedding was trained on."""
+    num_prefix = 0 if model.no_embed_class else model.num_prefix_tokens
+    tokens = state["pos_embed"].shape[1] - num_prefix
+    patch = state["patch_embed.proj.weight"].shape[-2:]
+    if cfg.get("input_size"):
+        h, w = cfg["input_size"][-2] // patch[0], cfg["input_size"][-1] // patch[1]
+        if h * w == tokens:
+            return h, w
+    side = round(tokens ** 0.5)
+    if side * side != tokens:
+        raise VitftError(f"cannot infer the position grid of a {tokens}-token checkpoint; its config needs input_size")
+    return side, side
+
+
+def adapt_state_dict(state: dict, model: VisionTransformer, cfg: Optional[dict] = None) -> dict:
+    """Fit `state` to `model`: patch and position embedding resampling, classifier drop."""
+    from timm.layers import resample_patch_embed
+
+    cfg = cfg or {}
+    state = dict(state)
+    patch_key = "patch_embed.proj.weight"
+    if patch_key in state and "pos_embed" in state:
+        old_grid = _old_grid(state, model, cfg)
+        new_patch = model.patch_embed.patch_size
+        if tuple(state[patch_key].shape[-2:]) != new_patch:
+            log.info("resampling patch embedding %s -> %s", tuple(state[patch_key].shape[-2:]), new_patch)
+            state[patch_key] = resample_patch_embed(state[patch_key], list(new_patch))
+        if old_grid != model.patch_embed.grid_size:
+            log.info("resizing position embedding %s -> %s", old_grid, model.patch_embed.grid_size)
+            state["pos_embed"] = resize_pos_embed(
+                state["pos_embed"], model.patch_embed.grid_size, old_grid,
+                0 if model.no_embed_class else model.num_prefix_tokens)
+    own_head = model.state_dict().get("head.weight")
+    ckpt_head = state.get("head.weight")
+    if ckpt_head is not None and (own_head is None or ckpt_head.shape != own_head.shape):
+        log.info("classifier head: checkpoint has %d classes, model has %d: re-initialised",
+                 ckpt_head.shape[0], model.num_classes)
+        for key in HEAD_KEYS:
+            state.pop(key, None)
+    elif ckpt_head is None and own_head is not None:
+        log.info("checkpoint has no classifier head: a new %d-class head is initialised", model.num_classes)
+    return state
+
+
+def load_weights(model: VisionTransformer, path: Path, cfg: Optional[dict] = None) -> None:
+    """Load a checkpoint file into `model`, converting and adapting it; clear errors on any mismatch."""
+    state = read_state_dict(path)
+    if is_torchvision(state):
+        state = convert_torchvision(state)
+    state = adapt_state_dict(state, model, cfg)
+    own = model.state_dict()
+    head_missing = [k for k in HEAD_KEYS if k in own and k not in state]
+    missing = [k for k in own if k not in state and k not in head_missing]
+    unexpected = [k for k in state if k not in own]
+    mismatched = [f"{k} {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+                  for k in state if k in own and state[k].shape != own[k].shape]
+    problems = []
+    if mismatched:
+        problems.append(f"{len(mismatched)} mis-shaped (e.g. {', '.join(mismatched[:3])})")
+    if missing:
+        problems.append(f"{len(missing)} missing (e.g. {', '.join(missing[:3])})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected (e.g. {', '.join(unexpected[:3])})")
+    if problems:
+        arch = (cfg or {}).get("architecture", "the model")
+        raise VitftError(f"weights {path} do not fit {arch}: {'; '.join(problems)} keys; "
+                         "is it a checkpoint of another architecture? pick the matching --model")
+    model.load_state_dict(state, strict=not head_missing)
+
+
+# ---- writing model folders ------------------------------------------------------------------------
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Run `write(tmp)` then rename over `path`: readers never see a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def model_config(model: VisionTransformer, extra: Optional[dict] = None) -> dict:
+    """timm's config.json layout for `model` (what `timm.create_model('local-dir:...')` reads)."""
+    cfg = dict(model.pretrained_cfg)
+    label_names = cfg.pop("label_names", None)
+    arch = cfg.pop("architecture")
+    for key in _LOCATION_KEYS:
+        cfg.pop(key, None)
+    cfg.update(num_classes=model.num_classes, input_size=[3, *model.patch_embed.img_size], fixed_input_size=True)
+    config = {"architecture": arch, "num_classes": model.num_classes, "num_features": model.num_features,
+              "global_pool": model.global_pool}
+    if label_names:
+        config["label_names"] = list(label_names)
+    model_args = {k: _plain(v) for k, v in getattr(model, "model_args", {}).items()}
+    if model_args:
+        config["model_args"] = model_args
+    config["pretrained_cfg"] = {k: _plain(v) for k, v in cfg.items()}
+    config.update(extra or {})
+    return config
+
+
+def save_pretrained(model: VisionTransformer, folder: Union[str, Path], extra_config: Optional[dict] = None,
+                    dtype: Optional[torch.dtype] = None) -> Path:
+    """Write config.json + model.safetensors (each atomically) so timm and vitft both load the folder."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    state = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).detach().cpu().contiguous()
+             for k, v in model.state_dict().items()}
+    atomic_write(folder / "model.safetensors", lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+    text = json.dumps(model_config(model, extra_config), indent=2) + "\n"
+    atomic_write(folder / "config.json", lambda tmp: tmp.write_text(text))
+    return folder
+
+
+def load_model(source: str, arch: Optional[str] = None, **kwargs) -> VisionTransformer:
+    """A trained model from anything users point at: run/export folder, hub repo, weights file, timm name."""
+    path = Path(str(source)).expanduser()
+    if path.is_file():
+        if not arch:
+            raise VitftError(f"{source} is a bare weights file: pass the architecture too (--model ARCH)")
+        return create_model(arch, pretrained=path, **kwargs)
+    if path.is_dir() or str(source).startswith(("hf-hub:", "local-dir:")):
+        return create_model(str(source), pretrained=True, **kwargs)
+    if arch:
+        return create_model(arch, pretrained=source, **kwargs)
+    return create_model(str(source), pretrained=True, **kwargs)
