@@ -21,6 +21,11 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 console = Console(stderr=True)
 
 
+@app.callback()
+def _root() -> None:
+    """Fine-tune Vision Transformers on your own images: finetune, evaluate, predict, export, push."""
+
+
 def command(*args, **kwargs) -> Callable:
     """`app.command` that turns a VitftError into one red line and exit code 2, never a traceback."""
 
