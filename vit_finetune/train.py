@@ -1,0 +1,647 @@
+"""The fine-tuning engine: one loop for CPU, one GPU or many (DDP under torchrun), resumable.
+
+A run folder holds everything: the effective config (train_config.json), the best weights
+(config.json + model.safetensors, loadable by timm and vitft), metrics.csv, curves.png and a
+resumable checkpoint in last/ that is rewritten atomically at every epoch end, every
+`save_every` steps, and on SIGINT/SIGTERM.
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import dataclasses
+import io
+import json
+import logging
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from itertools import islice
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .data import DatasetSplits, ImageDataset, build_loader, build_transforms, find_dataset
+from .errors import VitftError
+from .runtime import autocast, resolve_device
+from .weights import atomic_write, create_model, resolve, save_pretrained
+
+log = logging.getLogger("vitft")
+
+CHECKPOINT = Path("last") / "checkpoint.pt"
+
+
+@dataclass
+class TrainConfig:
+    """Every option of a run; recipes (YAML) and CLI flags set these fields by name."""
+
+    data: str = ""
+    pretrained: str = "vit_b_16"  # anything create_model accepts as weights, or 'none' (random init)
+    model: Optional[str] = None  # architecture, where the weights do not imply it
+    model_kwargs: dict = field(default_factory=dict)  # architecture overrides, e.g. {'patch_size': 8}
+    img_size: Optional[int] = None  # default: the weights' input size
+    epochs: int = 10
+    batch_size: int = 64  # per process
+    accum_steps: int = 1
+    lr: float = 5e-4  # base LR per `lr_base_size` images; scaled linearly by the effective batch
+    lr_base_size: int = 512
+    min_lr: float = 1e-6
+    warmup_epochs: int = 1
+    weight_decay: float = 0.05
+    layer_decay: Optional[float] = None  # layer-wise LR decay; None = 0.75 with pretrained weights, off from scratch
+    opt: str = "adamw"
+    clip_grad: Optional[float] = 1.0
+    label_smoothing: float = 0.1
+    mixup: float = 0.0
+    cutmix: float = 0.0
+    drop_path: float = 0.1
+    ema: bool = False
+    ema_decay: float = 0.9998
+    freeze_backbone: bool = False  # linear probe: train the head (and fc_norm) only
+    unfreeze_after: Optional[int] = None  # with freeze_backbone: train everything from this epoch on
+    scale: tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop area range
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    hflip: float = 0.5
+    color_jitter: float = 0.0
+    strong_aug: bool = False
+    val_split: float = 0.1
+    cache: bool = False
+    workers: Optional[int] = None
+    precision: str = "auto"  # auto = bf16 on CUDA, fp32 elsewhere
+    compile: bool = False
+    grad_checkpointing: bool = False
+    device: str = "auto"
+    seed: int = 0
+    output: Optional[str] = None  # default runs/<date>-<model>
+    overwrite: bool = False
+    save_every: Optional[int] = None  # also checkpoint every N optimizer steps
+    tensorboard: bool = False
+    quiet: bool = False
+    push_to_hub: Optional[str] = None
+    max_steps_per_epoch: Optional[int] = None  # cap steps per epoch (smoke tests, quick looks)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise VitftError(f"unknown option(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+        values = {k: tuple(v) if k in ("scale", "ratio") else v for k, v in values.items()}
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+def load_recipe(path: str | Path) -> dict:
+    """A YAML recipe: a mapping of TrainConfig fields."""
+    import yaml
+
+    try:
+        values = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise VitftError(f"cannot read recipe {path}: {err}") from err
+    if not isinstance(values, dict):
+        raise VitftError(f"recipe {path} must be a mapping of option: value")
+    return {k.replace("-", "_"): v for k, v in values.items()}
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    best_top1: float
+    best_epoch: int
+    epochs_done: int
+    interrupted: bool
+    metrics: list[dict]
+
+
+# ---- distributed ----------------------------------------------------------------------------------
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+
+def _init_distributed(device_choice: str) -> tuple[Dist, torch.device]:
+    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK: join the group (NCCL on CUDA, gloo on CPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist(), resolve_device(device_choice)
+    ddp = Dist(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
+    device = resolve_device(device_choice)
+    if device.type == "cuda":
+        device = torch.device("cuda", ddp.local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return ddp, device
+
+
+def _all_sum(values: list[float], ddp: Dist, device: torch.device) -> list[float]:
+    if not ddp.enabled:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+# ---- building blocks ------------------------------------------------------------------------------
+def build_model(cfg: TrainConfig, num_classes: int, with_weights: bool = True):
+    """The model for a run: weights from `cfg.pretrained` (unless resuming), head sized to the data."""
+    overrides = dict(cfg.model_kwargs, drop_path_rate=cfg.drop_path)
+    overrides.pop("num_classes", None)  # always the data's
+    img_size = cfg.img_size or overrides.pop("img_size", None)
+    if _scratch(cfg):
+        name, weights = cfg.model or "vit_b_16", False
+    else:
+        name, weights = (cfg.model, cfg.pretrained) if cfg.model else (cfg.pretrained, True)
+        if not cfg.model and Path(str(cfg.pretrained)).is_file():
+            raise VitftError(f"--pretrained {cfg.pretrained} is a bare weights file: add --model ARCH")
+    if not with_weights:
+        # resuming: same architecture and preprocessing, weights come from the checkpoint
+        source = resolve(name, weights)
+        return create_model(source.arch, pretrained=False, num_classes=num_classes, img_size=img_size,
+                            **{**source.model_args, **overrides})
+    return create_model(name, pretrained=weights, num_classes=num_classes, img_size=img_size, **overrides)
+
+
+def _scratch(cfg: TrainConfig) -> bool:
+    return str(cfg.pretrained).lower() in ("none", "", "false")
+
+
+def _default_run_dir(cfg: TrainConfig) -> Path:
+    name = (cfg.model or cfg.pretrained or "vit").replace("/", "_").replace(":", "_")
+    return Path("runs") / f"{datetime.now():%Y%m%d-%H%M%S}-{Path(name).name}"
+
+
+def _set_backbone_trainable(model: nn.Module, trainable: bool) -> None:
+    for name, param in model.named_parameters():
+        param.requires_grad = trainable or name.startswith(("head.", "fc_norm."))
+
+
+class Metrics:
+    """metrics.csv and curves.png, rewritten atomically after every epoch (rank 0 only)."""
+
+    FIELDS = ["epoch", "train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_s", "seconds"]
+
+    def __init__(self, run_dir: Path, rows: list[dict]):
+        self.path = run_dir / "metrics.csv"
+        self.plot_path = run_dir / "curves.png"
+        self.rows = rows
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=self.FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(self.rows)
+        atomic_write(self.path, lambda tmp: tmp.write_text(buf.getvalue()))
+        self._plot()
+
+    def _plot(self) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        epochs = [r["epoch"] for r in self.rows]
+        fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+        ax_loss.plot(epochs, [r["train_loss"] for r in self.rows], "o-", label="train")
+        ax_loss.plot(epochs, [r["val_loss"] for r in self.rows], "o-", label="val")
+        ax_loss.set(xlabel="epoch", ylabel="loss", title="Loss")
+        ax_loss.legend()
+        ax_acc.plot(epochs, [100 * r["val_top1"] for r in self.rows], "o-", label="top-1")
+        if any(r.get("val_top5") is not None for r in self.rows):
+            ax_acc.plot(epochs, [100 * (r["val_top5"] or 0) for r in self.rows], "o-", label="top-5")
+        ax_acc.set(xlabel="epoch", ylabel="accuracy (%)", title="Validation accuracy")
+        ax_acc.legend()
+        fig.tight_layout()
+        atomic_write(self.plot_path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+        plt.close(fig)
+
+
+class _StopFlag:
+    """SIGINT/SIGTERM ask the loop to checkpoint and stop at the next step, instead of dying mid-write."""
+
+    def __init__(self):
+        self.stop = False
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.stop:  # second signal: give up at once
+            raise KeyboardInterrupt
+        self.stop = True
+        log.warning("%s received: saving a checkpoint to resume from, then stopping", signal.Signals(signum).name)
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+# ---- the run ------------------------------------------------------------------------------------
+class Trainer:
+    def __init__(self, cfg: TrainConfig, run_dir: Path, resume_state: Optional[dict] = None):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.ddp, self.device = _init_distributed(cfg.device)
+        torch.manual_seed(cfg.seed + self.ddp.rank)
+        random.seed(cfg.seed + self.ddp.rank)
+        np.random.seed(cfg.seed + self.ddp.rank)
+        precision = cfg.precision if cfg.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
+        self.precision = precision
+        autocast(self.device, precision)  # validates the choice early
+
+        self.splits: DatasetSplits = find_dataset(cfg.data, cfg.val_split, cfg.seed)
+        if not self.splits.val:
+            raise VitftError(f"no validation images found in {cfg.data}; add a val/ folder or use --val-split")
+        self.classes = self.splits.classes
+        self.model = build_model(cfg, len(self.classes), with_weights=resume_state is None)
+        self.model.pretrained_cfg["label_names"] = list(self.classes)
+        self.img_size = tuple(self.model.patch_embed.img_size)
+        self.model.to(self.device)
+        if cfg.grad_checkpointing:
+            self.model.set_grad_checkpointing(True)
+
+        self._build_data()
+        self._build_optimization()
+        self.epoch, self.step_in_epoch, self.global_step = 0, 0, 0
+        self.best_top1, self.best_epoch, self.rows = -1.0, -1, []
+        if resume_state is not None:
+            self._restore(resume_state)
+        elif cfg.freeze_backbone:
+            _set_backbone_trainable(self.model, False)
+        self._wrap()
+        self.metrics = Metrics(run_dir, self.rows)
+        self.tb = self._tensorboard() if cfg.tensorboard and self.ddp.main else None
+
+    # -- setup
+    def _build_data(self) -> None:
+        cfg, pcfg = self.cfg, self.model.pretrained_cfg
+        train_tf = build_transforms(pcfg, self.img_size, True, cfg.scale, cfg.ratio, cfg.hflip, cfg.color_jitter,
+                                    cfg.strong_aug)
+        eval_tf = build_transforms(pcfg, self.img_size, False)
+        crop_pct = pcfg.get("crop_pct", 0.875)
+        self.train_set = ImageDataset(self.splits.train, train_tf, cache=cfg.cache, img_size=self.img_size,
+                                      crop_pct=crop_pct, name="train")
+        # each rank evaluates its own slice of the validation set, so nothing is counted twice
+        val_part = self.splits.val[self.ddp.rank::self.ddp.world]
+        self.val_set = ImageDataset(val_part, eval_tf, cache=cfg.cache, img_size=self.img_size, crop_pct=crop_pct,
+                                    name="val")
+        if len(self.train_set) < cfg.batch_size * self.ddp.world:
+            raise VitftError(f"only {len(self.train_set)} training images for a batch of {cfg.batch_size}; "
+                             "lower --batch-size")
+        device_type = self.device.type
+        self.train_loader = build_loader(self.train_set, cfg.batch_size, True, cfg.workers, device_type,
+                                         self.ddp.enabled, cfg.seed)
+        self.val_loader = build_loader(self.val_set, cfg.batch_size, False, cfg.workers, device_type, False,
+                                       cfg.seed)
+        batches = len(self.train_loader)
+        if cfg.max_steps_per_epoch:
+            batches = min(batches, cfg.max_steps_per_epoch * cfg.accum_steps)
+        self.batches_per_epoch = batches
+        self.steps_per_epoch = max(1, batches // cfg.accum_steps)
+
+    def _build_optimization(self) -> None:
+        from timm.data import Mixup
+        from timm.loss import SoftTargetCrossEntropy
+        from timm.optim import create_optimizer_v2
+        from timm.scheduler import create_scheduler_v2
+        from timm.utils import ModelEmaV3
+
+        cfg = self.cfg
+        self.effective_batch = cfg.batch_size * cfg.accum_steps * self.ddp.world
+        self.lr = cfg.lr * self.effective_batch / cfg.lr_base_size
+        layer_decay = cfg.layer_decay if cfg.layer_decay is not None else (None if _scratch(cfg) else 0.75)
+        self.layer_decay = layer_decay if layer_decay and layer_decay < 1 else None
+        self.optimizer = create_optimizer_v2(self.model, opt=cfg.opt, lr=self.lr, weight_decay=cfg.weight_decay,
+                                             layer_decay=self.layer_decay)
+        self.scheduler, _ = create_scheduler_v2(
+            self.optimizer, sched="cosine", num_epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs,
+            min_lr=cfg.min_lr, warmup_lr=min(1e-6, self.lr), step_on_epochs=False,
+            updates_per_epoch=self.steps_per_epoch)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        self.mixup = None
+        if cfg.mixup > 0 or cfg.cutmix > 0:
+            self.mixup = Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, label_smoothing=cfg.label_smoothing,
+                               num_classes=len(self.classes))
+            self.train_loss_fn = SoftTargetCrossEntropy()
+        else:
+            self.train_loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+        self.ema = ModelEmaV3(self.model, decay=cfg.ema_decay, use_warmup=True) if cfg.ema else None
+
+    def _wrap(self) -> None:
+        """DDP and/or torch.compile around the model; re-done when the trainable set changes."""
+        module = self.model
+        if self.ddp.enabled:
+            module = nn.parallel.DistributedDataParallel(
+                module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        if self.cfg.compile:
+            module = torch.compile(module)
+        self.net = module
+
+    def _tensorboard(self):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:
+            raise VitftError("--tensorboard needs the tensorboard package: pip install tensorboard") from err
+        return SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    # -- checkpoints
+    def _state(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "pretrained_cfg": self.model.pretrained_cfg,
+            "model_args": self.model.model_args,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "ema": self.ema.state_dict() if self.ema else None,
+            "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
+            "best_top1": self.best_top1, "best_epoch": self.best_epoch, "rows": self.rows,
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            "config": self.cfg.to_dict(),
+        }
+
+    def save_checkpoint(self) -> None:
+        if self.ddp.main:
+            state = self._state()
+            atomic_write(self.run_dir / CHECKPOINT, lambda tmp: torch.save(state, tmp))
+
+    def _restore(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.model.pretrained_cfg = state["pretrained_cfg"]
+        self.model.model_args = state["model_args"]
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        if self.ema and state["ema"]:
+            self.ema.load_state_dict(state["ema"])
+        self.epoch, self.step_in_epoch, self.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
+        self.best_top1, self.best_epoch, self.rows = state["best_top1"], state["best_epoch"], state["rows"]
+        torch.set_rng_state(state["rng"]["torch"])
+        np.random.set_state(state["rng"]["numpy"])
+        random.setstate(state["rng"]["python"])
+        if self.cfg.freeze_backbone:
+            unfrozen = self.cfg.unfreeze_after is not None and self.epoch >= self.cfg.unfreeze_after
+            _set_backbone_trainable(self.model, unfrozen)
+
+    def _save_best(self, model: nn.Module, top1: float, epoch: int) -> None:
+        info = {"train": self.cfg.to_dict(),
+                "data": {"root": str(self.cfg.data), "layout": self.splits.layout, "classes": self.classes,
+                         "counts": self.splits.class_counts()},
+                "best": {"epoch": epoch, "val_top1": top1}}
+        save_pretrained(model, self.run_dir, extra_config={"vitft": info})
+
+    # -- loop
+    def describe(self) -> list[str]:
+        cfg, pcfg = self.cfg, self.model.pretrained_cfg
+        counts = self.splits.class_counts()
+        per_class = ", ".join(f"{c} {counts['train'].get(c, 0)}/{counts['val'].get(c, 0)}" for c in self.classes)
+        lines = [
+            f"weights: {pcfg.get('source')} ({pcfg.get('architecture')}, {sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M params)",
+            f"data: {cfg.data} [{self.splits.layout}]: {len(self.classes)} classes, "
+            f"{len(self.splits.train)} train / {len(self.splits.val)} val images (train/val per class: {per_class})",
+            f"image size: {self.img_size[0]}x{self.img_size[1]}, patch {self.model.patch_embed.patch_size[0]}, "
+            f"mean {tuple(round(m, 3) for m in pcfg.get('mean', ()))} std {tuple(round(s, 3) for s in pcfg.get('std', ()))}",
+            f"device: {self.device}{f' x{self.ddp.world} processes' if self.ddp.enabled else ''}, precision {self.precision}"
+            f"{', torch.compile' if cfg.compile else ''}",
+            f"optimizer: {cfg.opt}, effective batch {self.effective_batch} = {cfg.batch_size} x {cfg.accum_steps} accum x "
+            f"{self.ddp.world} proc; lr {self.lr:.3g} = {cfg.lr:g} x {self.effective_batch}/{cfg.lr_base_size}; "
+            f"layer decay {self.layer_decay or 'off'}; {cfg.epochs} epochs x {self.steps_per_epoch} steps, warmup {cfg.warmup_epochs}",
+        ]
+        return lines
+
+    def train_epoch(self, progress) -> tuple[float, float, bool]:
+        cfg, epoch = self.cfg, self.epoch
+        self.net.train()
+        if self.ddp.enabled:
+            self.train_loader.sampler.set_epoch(epoch)
+        else:
+            self.train_loader.generator.manual_seed(cfg.seed * 1000 + epoch)  # same order on resume
+        skip = self.step_in_epoch * cfg.accum_steps
+        batches = islice(self.train_loader, skip, self.batches_per_epoch)
+        loss_sum, seen, t0 = 0.0, 0, time.perf_counter()
+        task = progress.add_task(f"epoch {epoch + 1}/{cfg.epochs}", total=self.steps_per_epoch,
+                                 completed=self.step_in_epoch, info="")
+        for i, (images, targets) in enumerate(batches, start=skip):
+            images = images.to(self.device, non_blocking=True)
+            targets = targets.to(self.device, non_blocking=True)
+            if self.mixup is not None:
+                images, targets = self.mixup(images, targets)
+            last_micro = (i + 1) % cfg.accum_steps == 0
+            sync = last_micro or not self.ddp.enabled
+            ctx = self.net.no_sync() if not sync and hasattr(self.net, "no_sync") else contextlib.nullcontext()
+            with ctx, autocast(self.device, self.precision):
+                loss = self.train_loss_fn(self.net(images), targets)
+            if not torch.isfinite(loss):
+                raise VitftError(f"loss became {loss.item()} at epoch {epoch + 1} step {i}; lower --lr or use "
+                                 "--precision fp32/bf16")
+            with ctx:
+                self.scaler.scale(loss / cfg.accum_steps).backward()
+            loss_sum += loss.item() * images.shape[0]
+            seen += images.shape[0]
+            if not last_micro:
+                continue
+            if cfg.clip_grad:
+                self.scaler.unscale_(self.optimizer)
+                nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.global_step += 1
+            self.step_in_epoch += 1
+            self.scheduler.step_update(self.global_step)
+            if self.ema is not None:
+                self.ema.update(self.model, step=self.global_step)
+            lr = self.optimizer.param_groups[-1]["lr"]
+            rate = seen / (time.perf_counter() - t0) * self.ddp.world
+            progress.update(task, advance=1, info=f"loss {loss_sum / seen:.4f} lr {lr:.2e} {rate:.0f} img/s")
+            if self.tb:
+                self.tb.add_scalar("train/loss", loss.item(), self.global_step)
+                self.tb.add_scalar("train/lr", lr, self.global_step)
+            if cfg.save_every and self.global_step % cfg.save_every == 0:
+                self.save_checkpoint()
+            if self._stop_requested():
+                progress.remove_task(task)
+                return loss_sum / max(seen, 1), seen, True
+        progress.remove_task(task)
+        totals = _all_sum([loss_sum, seen], self.ddp, self.device)
+        return totals[0] / max(totals[1], 1), totals[1], False
+
+    def _stop_requested(self) -> bool:
+        flag = [1.0 if self.stop.stop else 0.0]
+        return _all_sum(flag, self.ddp, self.device)[0] > 0
+
+    @torch.inference_mode()
+    def validate(self, model: nn.Module) -> dict:
+        model.eval()
+        loss_sum = correct1 = correct5 = count = 0.0
+        k = min(5, len(self.classes))
+        for images, targets in self.val_loader:
+            images, targets = images.to(self.device), targets.to(self.device)
+            with autocast(self.device, self.precision):
+                logits = model(images)
+            loss_sum += F.cross_entropy(logits.float(), targets, reduction="sum").item()
+            topk = logits.topk(k, dim=1).indices
+            correct1 += (topk[:, 0] == targets).sum().item()
+            correct5 += (topk == targets[:, None]).any(dim=1).sum().item()
+            count += targets.numel()
+        loss_sum, correct1, correct5, count = _all_sum([loss_sum, correct1, correct5, count], self.ddp, self.device)
+        return {"val_loss": loss_sum / count, "val_top1": correct1 / count,
+                "val_top5": correct5 / count if len(self.classes) > 5 else None}
+
+    def run(self, progress) -> RunResult:
+        cfg = self.cfg
+        interrupted = False
+        with _StopFlag() as self.stop:
+            while self.epoch < cfg.epochs:
+                if cfg.freeze_backbone and cfg.unfreeze_after is not None and self.epoch == cfg.unfreeze_after \
+                        and self.step_in_epoch == 0:
+                    log.info("epoch %d: unfreezing the backbone", self.epoch + 1)
+                    _set_backbone_trainable(self.model, True)
+                    self._wrap()
+                t0 = time.perf_counter()
+                train_loss, seen, interrupted = self.train_epoch(progress)
+                if interrupted:
+                    self.save_checkpoint()
+                    break
+                seconds = time.perf_counter() - t0
+                row = {"epoch": self.epoch + 1, "train_loss": round(train_loss, 5),
+                       "lr": self.optimizer.param_groups[-1]["lr"], "images_per_s": round(seen / seconds, 1),
+                       "seconds": round(seconds, 1)}
+                candidates = [(self.model, self.validate(self.net if not cfg.compile else self.model))]
+                if self.ema is not None:
+                    candidates.append((self.ema.module, self.validate(self.ema.module)))
+                best_model, scores = max(candidates, key=lambda c: c[1]["val_top1"])
+                row.update({k: (round(v, 5) if v is not None else None) for k, v in scores.items()})
+                if self.ema is not None:
+                    row["ema"] = best_model is self.ema.module
+                self.epoch += 1
+                self.step_in_epoch = 0
+                if self.ddp.main:
+                    if scores["val_top1"] > self.best_top1:
+                        self.best_top1, self.best_epoch = scores["val_top1"], self.epoch
+                        self._save_best(best_model, scores["val_top1"], self.epoch)
+                    self.metrics.add(row)
+                    if self.tb:
+                        for key in ("val_loss", "val_top1"):
+                            self.tb.add_scalar(f"val/{key[4:]}", row[key], self.epoch)
+                    self._epoch_line(row)
+                else:
+                    self.rows.append(row)
+                self.save_checkpoint()
+        if self.tb:
+            self.tb.close()
+        return RunResult(self.run_dir, self.best_top1, self.best_epoch, self.epoch, interrupted, self.rows)
+
+    def _epoch_line(self, row: dict) -> None:
+        top5 = f" top-5 {100 * row['val_top5']:.1f}%" if row.get("val_top5") is not None else ""
+        ema = " (EMA)" if row.get("ema") else ""
+        log.info("epoch %d/%d: train loss %.4f | val loss %.4f top-1 %.1f%%%s%s | %.0f img/s, %.0fs",
+                 row["epoch"], self.cfg.epochs, row["train_loss"], row["val_loss"], 100 * row["val_top1"], top5, ema,
+                 row["images_per_s"], row["seconds"])
+
+
+def _progress(quiet: bool, enabled: bool):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    TextColumn("{task.fields[info]}"), console=Console(stderr=True),
+                    disable=quiet or not enabled, transient=True)
+
+
+def _prepare_run_dir(cfg: TrainConfig) -> Path:
+    run_dir = Path(cfg.output) if cfg.output else _default_run_dir(cfg)
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not cfg.overwrite:
+            raise VitftError(f"run folder {run_dir} already exists; pass --overwrite to replace it, "
+                             f"or --resume {run_dir} to continue it")
+        import shutil
+
+        if int(os.environ.get("RANK", "0")) == 0:
+            shutil.rmtree(run_dir)
+    return run_dir
+
+
+def finetune(config: TrainConfig | dict | None = None, resume: Optional[str | Path] = None, **options: Any) -> RunResult:
+    """Fine-tune (or train) a ViT on an image folder; returns where the run is and how it went.
+
+    `finetune(data="./intel", pretrained="vit_b_16", epochs=5)` or `finetune(resume="runs/x")`.
+    """
+    if resume is not None:
+        run_dir = Path(resume)
+        if not (run_dir / CHECKPOINT).is_file():
+            raise VitftError(f"{run_dir} has no {CHECKPOINT} to resume from; is it a vitft run folder?")
+        try:
+            state = torch.load(run_dir / CHECKPOINT, map_location="cpu", weights_only=False)
+        except Exception as err:  # noqa: BLE001
+            raise VitftError(f"cannot read {run_dir / CHECKPOINT}: {err}") from err
+        cfg = TrainConfig.from_dict({**state["config"], **options})
+        if state["epoch"] >= cfg.epochs:
+            raise VitftError(f"{run_dir} already finished {state['epoch']} epochs; raise --epochs to train longer")
+    else:
+        if isinstance(config, TrainConfig):
+            cfg = dataclasses.replace(config, **options)
+        else:
+            cfg = TrainConfig.from_dict({**(config or {}), **options})
+        if not cfg.data:
+            raise VitftError("no data: pass --data DIR (a folder of class folders, train/val, or the Intel layout)")
+        state = None
+        run_dir = _prepare_run_dir(cfg)
+    _check_config(cfg)
+    trainer = Trainer(cfg, run_dir, state)
+    if trainer.ddp.main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(run_dir / "train_config.json", lambda tmp: tmp.write_text(json.dumps(cfg.to_dict(), indent=2)))
+        for line in trainer.describe():
+            log.info(line)
+        if state is not None:
+            log.info("resuming %s at epoch %d, step %d", run_dir, trainer.epoch + 1, trainer.step_in_epoch)
+    with _progress(cfg.quiet, trainer.ddp.main) as progress:
+        result = trainer.run(progress)
+    if trainer.ddp.main and not result.interrupted and cfg.push_to_hub:
+        from .hub import push
+
+        push(run_dir, cfg.push_to_hub)
+    return result
+
+
+def _check_config(cfg: TrainConfig) -> None:
+    checks = [
+        (cfg.epochs >= 1, "--epochs must be at least 1"),
+        (cfg.batch_size >= 1, "--batch-size must be at least 1"),
+        (cfg.accum_steps >= 1, "--accum-steps must be at least 1"),
+        (cfg.lr > 0, "--lr must be positive"),
+        (cfg.unfreeze_after is None or cfg.freeze_backbone, "--unfreeze-after needs --freeze-backbone"),
+        (not (cfg.mixup or cfg.cutmix) or cfg.batch_size % 2 == 0, "mixup/cutmix need an even --batch-size"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise VitftError(message)
