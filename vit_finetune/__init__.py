@@ -1,8 +1,10 @@
 """vitft: fine-tune Vision Transformers, with a native ViT that loads every timm ViT checkpoint."""
 from .archs import ALIASES, list_archs
 from .errors import VitftError
+from .evaluate import EvalReport, Prediction, evaluate, predict
 from .model import VisionTransformer
 from .pos_embed import resize_pos_embed
+from .train import RunResult, TrainConfig, finetune
 from .weights import create_model, load_model, save_pretrained
 
 __version__ = "0.1.0"

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from .data import DatasetSplits, ImageDataset, build_loader, build_transforms, find_dataset
 from .errors import VitftError
 from .runtime import autocast, resolve_device
-from .weights import atomic_write, create_model, resolve, save_pretrained
+from .weights import atomic_write, create_model, save_pretrained
 
 log = logging.getLogger("vitft")
 
@@ -164,8 +164,8 @@ def _all_sum(values: list[float], ddp: Dist, device: torch.device) -> list[float
 
 
 # ---- building blocks ------------------------------------------------------------------------------
-def build_model(cfg: TrainConfig, num_classes: int, with_weights: bool = True):
-    """The model for a run: weights from `cfg.pretrained` (unless resuming), head sized to the data."""
+def build_model(cfg: TrainConfig, num_classes: int):
+    """The model for a new run: weights from `cfg.pretrained`, head sized to the data."""
     overrides = dict(cfg.model_kwargs, drop_path_rate=cfg.drop_path)
     overrides.pop("num_classes", None)  # always the data's
     img_size = cfg.img_size or overrides.pop("img_size", None)
@@ -175,11 +175,6 @@ def build_model(cfg: TrainConfig, num_classes: int, with_weights: bool = True):
         name, weights = (cfg.model, cfg.pretrained) if cfg.model else (cfg.pretrained, True)
         if not cfg.model and Path(str(cfg.pretrained)).is_file():
             raise VitftError(f"--pretrained {cfg.pretrained} is a bare weights file: add --model ARCH")
-    if not with_weights:
-        # resuming: same architecture and preprocessing, weights come from the checkpoint
-        source = resolve(name, weights)
-        return create_model(source.arch, pretrained=False, num_classes=num_classes, img_size=img_size,
-                            **{**source.model_args, **overrides})
     return create_model(name, pretrained=weights, num_classes=num_classes, img_size=img_size, **overrides)
 
 
@@ -281,7 +276,11 @@ class Trainer:
         if not self.splits.val:
             raise VitftError(f"no validation images found in {cfg.data}; add a val/ folder or use --val-split")
         self.classes = self.splits.classes
-        self.model = build_model(cfg, len(self.classes), with_weights=resume_state is None)
+        if resume_state is None:
+            self.model = build_model(cfg, len(self.classes))
+        else:  # same architecture and hyperparameters; the weights come from the checkpoint
+            self.model = create_model(resume_state["pretrained_cfg"]["architecture"], num_classes=len(self.classes),
+                                      **resume_state["model_args"])
         self.model.pretrained_cfg["label_names"] = list(self.classes)
         self.img_size = tuple(self.model.patch_embed.img_size)
         self.model.to(self.device)
@@ -445,7 +444,9 @@ class Trainer:
         else:
             self.train_loader.generator.manual_seed(cfg.seed * 1000 + epoch)  # same order on resume
         skip = self.step_in_epoch * cfg.accum_steps
-        batches = islice(self.train_loader, skip, self.batches_per_epoch)
+        # run the loader to its end when uncapped, so that it reports the images it had to skip
+        stop = self.batches_per_epoch if self.batches_per_epoch < len(self.train_loader) else None
+        batches = islice(self.train_loader, skip, stop)
         loss_sum, seen, t0 = 0.0, 0, time.perf_counter()
         task = progress.add_task(f"epoch {epoch + 1}/{cfg.epochs}", total=self.steps_per_epoch,
                                  completed=self.step_in_epoch, info="")

@@ -1,0 +1,276 @@
+"""vitft evaluate / predict on real Intel images with a tiny model trained for a few steps."""
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import re
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from typer.testing import CliRunner
+
+from conftest import CLASSES, TINY, make_subset
+from vit_finetune import create_model, save_pretrained
+from vit_finetune.cli import app
+from vit_finetune.data import ImageDataset, build_transforms, find_dataset
+from vit_finetune.errors import VitftError
+from vit_finetune.evaluate import EvalReport, Prediction, evaluate, predict
+
+runner = CliRunner()
+BOX_CHARS = "─│┃━┏┓┗┛┡┩╇╷╵"
+
+
+def invoke(*args):
+    # cli._setup_logging binds its handler to the sys.stderr of the first call; CliRunner swaps sys.stderr per call
+    logging.getLogger("vitft").handlers.clear()
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run faster on one thread than on two contended ones (2-core CI machines)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def run_dir(small_intel, tmp_path_factory) -> Path:
+    """A run-like folder (config.json with a 'vitft' key + model.safetensors) of a tiny model trained for 60 steps,
+    so that its predictions vary from image to image."""
+    torch.manual_seed(0)
+    model = create_model("vit_tiny_patch16_224", num_classes=len(CLASSES), **TINY)
+    model.pretrained_cfg["label_names"] = list(CLASSES)
+    splits = find_dataset(small_intel)
+    ds = ImageDataset(splits.train + splits.val, build_transforms(model.pretrained_cfg, 32, train=False))
+    x = torch.stack([ds[i][0] for i in range(len(ds))])
+    y = torch.tensor(ds.labels)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    for _ in range(60):
+        idx = torch.randint(len(x), (64,))
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return save_pretrained(model.eval(), tmp_path_factory.mktemp("run"), extra_config={"vitft": {"steps": 60}})
+
+
+@pytest.fixture(scope="module")
+def eval_data(intel_dir, tmp_path_factory) -> Path:
+    """8 real images per class, a single folder of class folders (evaluated whole)."""
+    return make_subset(intel_dir, tmp_path_factory.mktemp("eval8"), 8)
+
+
+@pytest.fixture(scope="module")
+def cli_eval(run_dir, eval_data):
+    """`vitft evaluate RUN --data DIR` once, output in the run folder (the default for a local folder)."""
+    return invoke("evaluate", run_dir, "--data", eval_data, "--workers", 0, "--batch-size", 16)
+
+
+def _read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_evaluate_writes_all_files_in_the_run_folder(cli_eval, run_dir):
+    assert cli_eval.exit_code == 0, cli_eval.output
+    for name in ("report.json", "predictions.csv", "confusion_matrix.png", "mistakes.png"):
+        assert (run_dir / name).stat().st_size > 0
+    for name in ("confusion_matrix.png", "mistakes.png"):
+        with Image.open(run_dir / name) as im:
+            assert im.format == "PNG" and min(im.size) > 100
+    assert not list(run_dir.glob(".*.tmp"))  # atomic writes leave no temporary files
+
+
+def test_printed_and_saved_numbers_match_a_hand_count(cli_eval, run_dir, eval_data):
+    assert cli_eval.exit_code == 0, cli_eval.output
+    rows = _read_csv(run_dir / "predictions.csv")
+    report = json.loads((run_dir / "report.json").read_text())
+    n = len(rows)
+    assert n == 8 * len(CLASSES) == report["num_images"] == report["data"]["num_images"]
+    assert len({r["predicted_label"] for r in rows}) > 1  # the trained model does not predict a constant
+    correct = sum(r["true_label"] == r["predicted_label"] for r in rows)
+    assert report["accuracy"] == pytest.approx(correct / n)
+    assert 0 <= report["accuracy"] <= 1
+    out = cli_eval.stdout
+    assert re.search(r"top-1 accuracy\s+([\d.]+)%", out).group(1) == f"{100 * correct / n:.1f}"
+    assert re.search(r"top-5 accuracy\s+[\d.]+%", out)  # 6 classes > 5
+    assert not any(c in out for c in BOX_CHARS)  # piped: plain text
+    support = Counter(r["true_label"] for r in rows)
+    hits = Counter(r["true_label"] for r in rows if r["true_label"] == r["predicted_label"])
+    for name in CLASSES:
+        recall = hits[name] / support[name]
+        assert report["per_class"][name]["support"] == support[name] == 8
+        assert report["per_class"][name]["recall"] == pytest.approx(recall)
+        line = next(ln.split() for ln in out.splitlines() if ln.split()[:1] == [name])
+        assert line[2] == f"{recall:.3f}" and line[4] == str(support[name])  # class precision recall F1 support
+    cm = np.array(report["confusion"])
+    assert cm.shape == (6, 6) and cm.sum() == n and report["classes"] == CLASSES
+    hand = Counter((r["true_label"], r["predicted_label"]) for r in rows)
+    assert all(cm[i, j] == hand[(t, p)] for i, t in enumerate(CLASSES) for j, p in enumerate(CLASSES))
+    assert report["macro_f1"] == pytest.approx(np.mean([report["per_class"][c]["f1"] for c in CLASSES]))
+    assert report["model"]["source"] == str(run_dir) and report["model"]["architecture"] == "vit_tiny_patch16_224"
+    assert report["data"]["layout"] == "single folder" and report["data"]["split"] == "all"
+    pre = report["preprocessing"]
+    assert pre["img_size"] == [32, 32] and pre["tta"] is False and len(pre["mean"]) == 3 and pre["crop_pct"] > 0
+    assert report["loss"] > 0 and report["images_per_s"] > 0
+    pairs = report["confused_pairs"]
+    assert pairs == sorted(pairs, key=lambda p: -p["count"])
+    assert all(p["count"] == hand[(p["true"], p["predicted"])] for p in pairs)
+
+
+def test_tta_and_another_resolution(run_dir, eval_data, tmp_path):
+    result = invoke("evaluate", run_dir, "--data", eval_data, "--workers", 0, "--tta", "--img-size", 48,
+                    "--output", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["preprocessing"]["img_size"] == [48, 48] and report["preprocessing"]["tta"] is True
+    assert np.array(report["confusion"]).sum() == report["num_images"] == 48
+    assert len(_read_csv(tmp_path / "out" / "predictions.csv")) == 48
+
+
+def test_library_evaluate_on_a_built_model(run_dir, eval_data, cli_eval, tmp_path):
+    from vit_finetune import load_model
+
+    model = load_model(str(run_dir))
+    report = evaluate(model, eval_data, workers=0)
+    assert isinstance(report, EvalReport) and report.output is None  # no output: nothing written
+    saved = json.loads((run_dir / "report.json").read_text())
+    assert report.accuracy == pytest.approx(saved["accuracy"])
+    assert report.confusion.tolist() == saved["confusion"]
+    assert report.to_dict()["per_class"] == saved["per_class"]
+    assert json.loads(json.dumps(report.to_dict()))["classes"] == CLASSES
+
+
+def test_model_classes_missing_from_the_data_are_reported(run_dir, intel_dir, tmp_path):
+    data = make_subset(intel_dir, tmp_path / "two", 4, classes=["forest", "sea"])
+    report = evaluate(str(run_dir), data, workers=0)
+    assert report.num_images == 8
+    assert report.absent_classes == ["buildings", "glacier", "mountain", "street"]
+    assert report.per_class["glacier"]["support"] == 0 and report.per_class["glacier"]["recall"] is None
+    assert report.confusion.sum() == 8
+
+
+def test_unknown_data_class_is_a_clear_error(run_dir, intel_dir, tmp_path):
+    data = make_subset(intel_dir, tmp_path / "lava", 3, classes=["forest"])
+    (data / "lava").mkdir()
+    for image in sorted((intel_dir / "sea").iterdir())[:3]:
+        (data / "lava" / image.name).symlink_to(image)
+    result = invoke("evaluate", run_dir, "--data", data, "--workers", 0, "--output", tmp_path / "out")
+    assert result.exit_code == 2
+    assert "'lava'" in result.output and "not known to the model" in result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_model_without_label_names(eval_data, intel_dir, tmp_path):
+    torch.manual_seed(0)
+    model = create_model("vit_tiny_patch16_224", num_classes=6, **TINY)
+    assert "label_names" not in model.pretrained_cfg
+    report = evaluate(model, eval_data, workers=0)  # 6 outputs, 6 classes: the data's names are used
+    assert report.classes == CLASSES and report.model["label_names_from"] == "data"
+    with pytest.raises(VitftError, match="no label names"):
+        evaluate(model, make_subset(intel_dir, tmp_path / "two", 2, classes=["forest", "sea"]), workers=0)
+
+
+def test_split_selection(run_dir, intel_dir, tmp_path):
+    root = tmp_path / "splits"
+    for split, offset in (("train", 0), ("val", 2), ("test", 4)):
+        for name in CLASSES:
+            (root / split / name).mkdir(parents=True)
+            for image in sorted((intel_dir / name).iterdir())[offset:offset + 2]:
+                (root / split / name / image.name).symlink_to(image)
+    report = evaluate(str(run_dir), root, workers=0)
+    assert report.data["split"] == "test" and all("/test/" in p["path"] for p in report.predictions)
+    assert evaluate(str(run_dir), root, split="val", workers=0).data["split"] == "val"
+    with pytest.raises(VitftError, match="unknown split"):
+        evaluate(str(run_dir), root, split="dev", workers=0)
+
+
+@pytest.fixture
+def messy_folder(intel_dir, tmp_path) -> Path:
+    """Kaggle's seg_pred/seg_pred layout: 6 real images, a truncated JPEG, an empty file and a text file."""
+    folder = tmp_path / "seg_pred" / "seg_pred"
+    folder.mkdir(parents=True)
+    for name in CLASSES:
+        image = sorted((intel_dir / name).iterdir())[20]
+        (folder / f"{name}_{image.name}").symlink_to(image)
+    whole = (sorted((intel_dir / "sea").iterdir())[21]).read_bytes()
+    (folder / "truncated.jpg").write_bytes(whole[: len(whole) // 3])
+    (folder / "empty.jpg").write_bytes(b"")
+    (folder / "notes.jpg").write_text("this is not a picture\n")
+    return tmp_path
+
+
+def test_predict_csv_to_stdout_with_broken_files(run_dir, messy_folder):
+    result = invoke("predict", run_dir, messy_folder, "--workers", 0, "--top-k", 2)
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader(result.stdout.splitlines()))
+    assert len(rows) == 9
+    assert list(rows[0]) == ["path", "label_1", "prob_1", "label_2", "prob_2", "error"]
+    good = [r for r in rows if not r["error"]]
+    bad = {Path(r["path"]).name: r for r in rows if r["error"]}
+    assert len(good) == 6 and set(bad) == {"truncated.jpg", "empty.jpg", "notes.jpg"}
+    assert all(r["label_1"] == "" for r in bad.values())
+    assert "decoded" in bad["truncated.jpg"]["error"] and bad["empty.jpg"]["error"] == "empty file"
+    for r in good:
+        assert r["label_1"] in CLASSES and r["label_2"] in CLASSES and r["label_1"] != r["label_2"]
+        assert 1 >= float(r["prob_1"]) >= float(r["prob_2"]) > 0
+    assert "3 of 9 file(s) could not be read" in result.stderr
+
+
+def test_predict_jsonl_file_with_workers(run_dir, messy_folder, tmp_path):
+    out = tmp_path / "preds.jsonl"  # format from the suffix; a worker process decodes (and flags the truncated file)
+    result = invoke("predict", run_dir, messy_folder, "--workers", 1, "--output", out)
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 9
+    good = [r for r in rows if "error" not in r]
+    assert len(good) == 6 and all(len(r["labels"]) == 3 and len(r["probs"]) == 3 for r in good)
+    assert sorted(Path(r["path"]).name for r in rows if "error" in r) == ["empty.jpg", "notes.jpg", "truncated.jpg"]
+    assert "wrote 6 prediction(s)" in result.stderr
+
+
+def test_library_predict(run_dir, messy_folder, eval_data, cli_eval):
+    rows = list(predict(str(run_dir), [messy_folder / "seg_pred"], top_k=10, workers=0, batch_size=4))
+    assert all(isinstance(r, Prediction) for r in rows) and len(rows) == 9
+    assert [r.path for r in rows] == sorted(r.path for r in rows)
+    good = [r for r in rows if r.error is None]
+    assert len(good) == 6 and all(len(r.labels) == 6 and sum(r.probs) == pytest.approx(1, abs=1e-4) for r in good)
+    # the same images get the same top-1 label and confidence as in evaluate's predictions.csv
+    evaluated = {r["path"]: r for r in _read_csv(run_dir / "predictions.csv")}
+    predicted = {r.path: r for r in predict(str(run_dir), str(eval_data), workers=0)}
+    assert set(predicted) == set(evaluated)
+    for path, r in predicted.items():
+        assert r.label == evaluated[path]["predicted_label"]
+        assert r.probs[0] == pytest.approx(float(evaluated[path]["confidence"]), abs=1e-5)
+
+
+def test_bare_weights_file_with_model_arch(eval_data, tmp_path):
+    """A .safetensors file has no config: --model names the arch, the head size comes from the file, and the data's
+    class names are used (with a warning) since the counts match."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = create_model("vit_tiny_patch16_224", num_classes=6)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "w.safetensors"))
+    result = invoke("evaluate", tmp_path / "w.safetensors", "--model", "vit_tiny_patch16_224", "--img-size", 32,
+                    "--data", eval_data, "--workers", 0, "--output", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert "no label names" in result.stderr
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["model"]["label_names_from"] == "data" and report["model"]["num_classes"] == 6
+    assert report["preprocessing"]["img_size"] == [32, 32] and report["classes"] == CLASSES
+
+
+def test_timm_name_needs_pretrained_flag(eval_data):
+    result = invoke("evaluate", "vit_tiny_patch16_224", "--data", eval_data)
+    assert result.exit_code == 2 and "--pretrained" in result.output and "Traceback" not in result.output
+    assert "not found" in invoke("predict", "no/such/run", eval_data).output
