@@ -2,6 +2,7 @@
 from .archs import ALIASES, list_archs
 from .errors import VitftError
 from .evaluate import EvalReport, Prediction, evaluate, predict
+from .hub import PushResult, export, push
 from .model import VisionTransformer
 from .pos_embed import resize_pos_embed
 from .train import RunResult, TrainConfig, finetune

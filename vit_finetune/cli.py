@@ -163,6 +163,23 @@ def finetune_cmd(
     _summary(result)
 
 
+@command("demo")
+def demo_cmd(
+    output: Path = typer.Option(Path("vitft-demo"), help="Folder for the generated data, the run and the export."),
+    epochs: int = typer.Option(8, help="Training epochs."),
+):
+    """Offline end-to-end demo: generate images, fine-tune a tiny ViT on the CPU, evaluate, export."""
+    from .demo import demo
+
+    paths = demo(output, epochs=epochs)
+    table = Table(title="vitft demo outputs")
+    table.add_column("what")
+    table.add_column("where")
+    for what, where in paths.items():
+        table.add_row(what, str(where))
+    console.print(table)
+
+
 def _summary(result) -> None:
     if result.interrupted:
         console.print(f"[yellow]interrupted[/] after {result.epochs_done} epochs; continue with "

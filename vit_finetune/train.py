@@ -617,6 +617,10 @@ def finetune(config: TrainConfig | dict | None = None, resume: Optional[str | Pa
         state = None
         run_dir = _prepare_run_dir(cfg)
     _check_config(cfg)
+    if cfg.push_to_hub:
+        from .hub import resolve_token
+
+        resolve_token()  # no token: fail now, not after hours of training
     trainer = Trainer(cfg, run_dir, state)
     if trainer.ddp.main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -628,9 +632,9 @@ def finetune(config: TrainConfig | dict | None = None, resume: Optional[str | Pa
     with _progress(cfg.quiet, trainer.ddp.main) as progress:
         result = trainer.run(progress)
     if trainer.ddp.main and not result.interrupted and cfg.push_to_hub:
-        from .hub import push
+        from .hub import push_run
 
-        push(run_dir, cfg.push_to_hub)
+        push_run(run_dir, cfg.push_to_hub)
     return result
 
 

@@ -1,0 +1,338 @@
+"""Facts about vit_finetune.hub: export (timm format, dtype, model card) and push, through the real
+huggingface_hub client against a local Hub look-alike (tests/hub_server.py).
+
+huggingface_hub reads HF_ENDPOINT, HF_HOME and HF_TOKEN at import time, so every push and every load
+from the Hub runs in a subprocess with its own environment.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load
+
+from hub_server import HubServer, put_files
+from conftest import CLASSES, TINY
+from vit_finetune.errors import VitftError
+from vit_finetune.hub import base_model, export, resolve_token
+
+TOKEN = "hf_vitftTestToken0123456789abcdef"
+TOKEN2 = "hf_otherTestToken9876543210fedcba"
+REPO = "user/tiny-intel"
+REPORT = {"accuracy": 0.8125, "top5": 0.99, "loss": 0.61, "macro_f1": 0.8, "weighted_f1": 0.81,
+          "per_class": {c: {"precision": 0.8, "recall": 0.75, "f1": 0.77, "support": 10} for c in CLASSES},
+          "classes": CLASSES, "data": {"root": "/data/intel/seg_test", "split": "test", "num_images": 60}}
+BASE = "timm/vit_base_patch16_224.augreg2_in21k_ft_in1k"
+LOGITS = """
+import json, sys, torch
+kind, name, x_path = sys.argv[1:4]
+if kind == "timm":
+    import timm
+    model = timm.create_model(name, pretrained=True)
+else:
+    from vit_finetune import create_model
+    model = create_model(name, pretrained=True)
+with torch.no_grad():
+    logits = model.eval()(torch.load(x_path))
+print(json.dumps({"logits": logits.tolist(), "labels": model.pretrained_cfg.get("label_names"),
+                  "module": type(model).__module__}))
+"""
+
+
+# ---- helpers ------------------------------------------------------------------------------------------
+def hub_env(endpoint: str, home: Path, token: str | None = None, tmp: Path | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE"))}
+    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(home), HF_HUB_DISABLE_TELEMETRY="1", NO_PROXY="127.0.0.1,localhost",
+               no_proxy="127.0.0.1,localhost", HF_HUB_DISABLE_PROGRESS_BARS="1")
+    if token is not None:
+        env["HF_TOKEN"] = token
+    if tmp is not None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        env["TMPDIR"] = str(tmp)
+    return env
+
+
+def vitft(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", "from vit_finetune.cli import main; main()", *args],
+                          env=env, capture_output=True, text=True, timeout=180)
+
+
+def vitft_many(*invocations: list[str], env: dict) -> subprocess.CompletedProcess:
+    """Several `vitft` commands in one process (one interpreter start); stops at the first failure."""
+    code = ("import json, sys\nfrom vit_finetune.cli import app\n"
+            "for args in json.loads(sys.argv[1]):\n"
+            "    try:\n        app(args, prog_name='vitft')\n"
+            "    except SystemExit as exit:\n        if exit.code:\n            raise\n")
+    return subprocess.run([sys.executable, "-c", code, json.dumps(invocations)], env=env, capture_output=True,
+                          text=True, timeout=240)
+
+
+def files_containing(secret: str, *roots: Path) -> list[Path]:
+    return [p for root in roots for p in Path(root).rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+
+
+def card_data(text: str):
+    from huggingface_hub import ModelCard
+
+    return ModelCard(text).data
+
+
+def reference_logits(folder: Path, x: torch.Tensor) -> torch.Tensor:
+    from vit_finetune import load_model
+
+    with torch.no_grad():
+        return load_model(str(folder)).eval()(x)
+
+
+def timm_local_logits(folder: Path, x: torch.Tensor) -> torch.Tensor:
+    import timm
+
+    model = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+    assert type(model).__module__ == "timm.models.vision_transformer"
+    with torch.no_grad():
+        return model(x)
+
+
+# ---- fixtures -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def run(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model as a finished, evaluated run: vitft key, report.json, metrics.csv, curves.png."""
+    run = tmp_path_factory.mktemp("hub") / "run"
+    shutil.copytree(tiny_model_dir, run)
+    config = json.loads((run / "config.json").read_text())
+    config["vitft"] = {"train": {"data": "/data/intel", "pretrained": "vit_b_16", "model": None, "epochs": 3,
+                                 "batch_size": 32, "lr": 5e-4, "img_size": 32, "output": "/runs/x"},
+                       "data": {"root": "/data/intel", "layout": "Intel (seg_train/seg_test)", "classes": CLASSES,
+                                "counts": {"train": {c: 40 for c in CLASSES}, "val": {c: 10 for c in CLASSES}}},
+                       "best": {"epoch": 3, "val_top1": 0.75}}
+    (run / "config.json").write_text(json.dumps(config, indent=2))
+    (run / "report.json").write_text(json.dumps(REPORT))
+    (run / "metrics.csv").write_text("epoch,train_loss,val_top1\n1,1.7,0.5\n2,1.2,0.7\n3,0.9,0.75\n")
+    (run / "curves.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really a png")
+    return run
+
+
+@pytest.fixture(scope="module")
+def x() -> torch.Tensor:
+    return torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def hub():
+    with HubServer(tokens={TOKEN, TOKEN2}) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def pushed(hub, run, tmp_path_factory) -> dict:
+    """`vitft push RUN user/tiny-intel` with the token in HF_TOKEN."""
+    base = tmp_path_factory.mktemp("push")
+    home, tmp = base / "hf_home", base / "tmp"
+    home.mkdir()
+    proc = vitft("push", str(run), REPO, env=hub_env(hub.url, home, TOKEN, tmp))
+    return {"proc": proc, "home": home, "tmp": tmp, "requests": list(hub.requests)}
+
+
+# ---- push --------------------------------------------------------------------------------------------
+def test_push_uploads_the_run_with_a_model_card(pushed, hub, run):
+    proc = pushed["proc"]
+    assert proc.returncode == 0, proc.stderr
+    head = hub.head(REPO)
+    assert f"{hub.url}/{REPO}" in proc.stdout and f"commit: {head}" in proc.stdout
+    files = hub.files(REPO)
+    assert {"config.json", "model.safetensors", "README.md", "curves.png"} <= set(files)
+    assert "report.json" not in files and "metrics.csv" not in files  # only what the card shows
+    config = json.loads(files["config.json"])
+    assert config["architecture"] == "vit_tiny_patch16_224" and config["label_names"] == CLASSES
+    card = files["README.md"].decode()
+    data = card_data(card)
+    assert data.library_name == "timm" and data.pipeline_tag == "image-classification"
+    assert set(data.tags) >= {"image-classification", "timm", "vitft", "vision-transformer"}
+    assert data.base_model == BASE and data.license == "apache-2.0"
+    accuracy = [r for r in data.eval_results if r.metric_type == "accuracy"]
+    assert accuracy[0].metric_value == pytest.approx(REPORT["accuracy"])
+    assert accuracy[0].task_type == "image-classification" and accuracy[0].dataset_split == "test"
+    assert f'timm.create_model("hf-hub:{REPO}", pretrained=True)' in card
+    assert f"vitft predict hf-hub:{REPO} images/" in card and "![Training curves](curves.png)" in card
+    assert all(label in card for label in CLASSES) and "/data/intel" not in card + files["config.json"].decode()
+
+
+def test_push_token_goes_to_the_server_only(pushed, run):
+    requests = pushed["requests"]
+    assert [r.route for r in requests][:1] == ["create"] and "commit" in [r.route for r in requests]
+    assert {r.authorization for r in requests} == {f"Bearer {TOKEN}"}
+    proc = pushed["proc"]
+    assert TOKEN not in proc.stdout + proc.stderr
+    assert files_containing(TOKEN, run, pushed["home"], pushed["tmp"]) == []
+    assert list(pushed["tmp"].iterdir()) == []  # the temporary export folder is gone
+
+
+def test_pushed_repo_loads_in_timm_and_vitft(pushed, hub, run, x, tmp_path):
+    assert pushed["proc"].returncode == 0
+    torch.save(x, tmp_path / "x.pt")
+    expected = reference_logits(run, x)
+    kinds = {"timm": "timm.models.vision_transformer", "vitft": "vit_finetune.model"}
+    procs = {kind: subprocess.Popen(  # both at once; each with a fresh cache and no token (the repo is public)
+        [sys.executable, "-c", LOGITS, kind, f"hf-hub:{REPO}", str(tmp_path / "x.pt")],
+        env=hub_env(hub.url, tmp_path / f"home_{kind}"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for kind in kinds}
+    for kind, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=180)
+        assert proc.returncode == 0, stderr
+        out = json.loads(stdout.strip().splitlines()[-1])
+        assert out["module"] == kinds[kind] and out["labels"] == CLASSES
+        torch.testing.assert_close(torch.tensor(out["logits"]), expected, atol=1e-5, rtol=0)
+    assert [r.authorization for r in hub.requests if r.route == "resolve"][-4:] == [None] * 4
+
+
+def test_later_pushes_keep_the_card_overwrite_it_or_open_a_pr(pushed, hub, run, tmp_path):
+    assert pushed["proc"].returncode == 0
+    edited = put_files(hub, REPO, {"README.md": b"---\nlicense: mit\n---\n# My own card\n"})
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "token").write_text(TOKEN2)  # a cached `hf auth login`, no HF_TOKEN
+    start = len(hub.requests)
+    proc = vitft_many(
+        ["push", str(run), REPO],  # 1. the card edited on the Hub stays (and nothing else changed)
+        ["push", str(run), REPO, "--overwrite-card", "--token", TOKEN, "--commit-message", "new card"],  # 2.
+        ["push", str(run), REPO, "--create-pr", "--dtype", "fp16"],  # 3. a PR with fp16 weights; main untouched
+        env=hub_env(hub.url, home))
+    assert proc.returncode == 0, proc.stderr
+    first, second, third = proc.stdout.split("pushed to ")[1:]
+    assert f"commit: {edited}" in first
+    assert hub.commit_log(REPO)[:2] == ["new card", "edit on the Hub"]  # push 1 committed nothing
+    assert card_data(hub.files(REPO)["README.md"].decode()).library_name == "timm"
+    assert f"pull request: {hub.url}/{REPO}/discussions/1" in third
+    weights = load(hub.files(REPO, "refs/pr/1")["model.safetensors"])
+    assert weights["head.weight"].dtype == torch.float16 and hub.commit_log(REPO)[0] == "new card"
+    # the cached login for pushes 1 and 3, --token (which wins over it) for push 2
+    runs = [auth for auth, _ in itertools.groupby(r.authorization for r in hub.requests[start:])]
+    assert runs == [f"Bearer {TOKEN2}", f"Bearer {TOKEN}", f"Bearer {TOKEN2}"]
+    assert TOKEN not in proc.stdout + proc.stderr and TOKEN2 not in proc.stdout + proc.stderr
+
+
+def test_token_precedence(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_from_env")
+    assert resolve_token("hf_explicit") == "hf_explicit"
+    assert resolve_token(None) == resolve_token("  ") == "hf_from_env"
+
+
+def test_push_without_token_fails_before_any_request(run, tmp_path):
+    with HubServer() as hub:
+        (tmp_path / "home").mkdir()
+        proc = vitft("push", str(run), REPO, env=hub_env(hub.url, tmp_path / "home"))
+        assert proc.returncode == 2
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        assert len(lines) == 1 and "no Hugging Face token" in lines[0] and "HF_TOKEN" in lines[0]
+        assert hub.requests == []
+
+
+def test_push_permission_denied_is_one_clear_line(run, tmp_path):
+    with HubServer(tokens={TOKEN}) as hub:
+        hub.fail[("POST", "create")] = 403
+        proc = vitft("push", str(run), REPO, env=hub_env(hub.url, tmp_path / "home", TOKEN, tmp_path / "tmp"))
+    assert proc.returncode == 2
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert len(lines) == 1 and "permission denied (403)" in lines[0] and "creating the repo" in lines[0]
+    assert TOKEN not in lines[0] and "Traceback" not in proc.stderr
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_push_to_unreachable_hub_is_one_clear_line(run, tmp_path):
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = vitft("push", str(run), REPO, env=hub_env(f"http://127.0.0.1:{port}", tmp_path / "home", TOKEN))
+    assert proc.returncode == 2
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert len(lines) == 1 and "cannot reach the Hugging Face Hub" in lines[0]
+
+
+# ---- export ------------------------------------------------------------------------------------------
+def test_export_is_timm_format_with_the_same_logits(run, x, tmp_path):
+    out = export(run, tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    assert {"architecture", "num_classes", "num_features", "global_pool", "label_names",
+            "pretrained_cfg"} <= set(config)
+    assert {"input_size", "mean", "std", "interpolation", "crop_pct"} <= set(config["pretrained_cfg"])
+    assert config["model_args"]["patch_size"] == 8 and config["num_classes"] == len(CLASSES)
+    torch.testing.assert_close(timm_local_logits(out, x), reference_logits(run, x), atol=1e-5, rtol=0)
+    assert (out / "curves.png").read_bytes() == (run / "curves.png").read_bytes()
+    card = (out / "README.md").read_text()
+    assert card_data(card).library_name == "timm" and "hf-hub:<user>/<repo>" in card
+    from huggingface_hub import ModelCard
+
+    assert ModelCard.load(out / "README.md").data.base_model == BASE
+
+
+def test_export_fp16_writes_fp16_tensors(run, x, tmp_path):
+    from safetensors.torch import load_file
+
+    out = export(run, tmp_path / "fp16", dtype="fp16")
+    tensors = load_file(str(out / "model.safetensors"))
+    assert {t.dtype for t in tensors.values() if t.is_floating_point()} == {torch.float16}
+    assert (out / "model.safetensors").stat().st_size < (run / "model.safetensors").stat().st_size * 0.6
+    torch.testing.assert_close(reference_logits(out, x), reference_logits(run, x), atol=2e-2, rtol=0)
+    assert "float16" in (out / "README.md").read_text()
+
+
+def test_export_records_model_args_for_another_img_size(tmp_path):
+    from vit_finetune import create_model, save_pretrained
+
+    torch.manual_seed(0)
+    model = create_model("vit_tiny_patch16_224", num_classes=3, **dict(TINY, img_size=48))
+    save_pretrained(model, tmp_path / "run48")
+    out = export(tmp_path / "run48", tmp_path / "out48")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_args"]["img_size"] == 48 and config["model_args"]["patch_size"] == 8
+    assert config["pretrained_cfg"]["input_size"] == [3, 48, 48]
+    x48 = torch.randn(2, 3, 48, 48)
+    torch.testing.assert_close(timm_local_logits(out, x48), reference_logits(tmp_path / "run48", x48),
+                               atol=1e-5, rtol=0)
+    card = (out / "README.md").read_text()
+    assert "base_model" not in card and "model-index" not in card  # from scratch, never evaluated
+
+
+def test_export_errors_and_overwrite(run, tmp_path):
+    with pytest.raises(VitftError, match="not found"):
+        export(tmp_path / "missing", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(VitftError, match="no config.json"):
+        export(tmp_path / "empty", tmp_path / "out")
+    with pytest.raises(VitftError, match="unknown dtype"):
+        export(run, tmp_path / "out", dtype="int8")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(VitftError, match="--overwrite"):
+        export(run, out)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    export(run, out, overwrite=True)
+    assert {"config.json", "model.safetensors", "README.md", "notes.txt"} <= {p.name for p in out.iterdir()}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no staging left behind
+
+    from typer.testing import CliRunner
+
+    from vit_finetune.cli import app
+
+    result = CliRunner().invoke(app, ["export", str(run), str(out)])
+    assert result.exit_code == 2 and "--overwrite" in result.output
+    result = CliRunner().invoke(app, ["export", str(run), str(out), "--overwrite", "--dtype", "bf16"])
+    assert result.exit_code == 0, result.output
+
+
+def test_base_model_from_the_training_config(tmp_path):
+    assert base_model({"pretrained": "vit_b_16"}) == BASE
+    assert base_model({"model": "vit_base_patch16_224", "pretrained": "vit_base_patch16_224.augreg2_in21k_ft_in1k"}) \
+        == BASE
+    assert base_model({"pretrained": "hf-hub:someone/my-vit@v2"}) == "someone/my-vit"
+    assert base_model({"pretrained": "none"}) is None and base_model({}) is None
+    assert base_model({"pretrained": str(tmp_path)}) is None  # local weights: no Hub lineage

@@ -1,0 +1,615 @@
+"""Share a run: `export` writes a Hub-ready model folder, `push` uploads it to the Hugging Face Hub.
+
+An exported folder holds timm's own format (config.json + model.safetensors: `timm.create_model(
+"hf-hub:REPO", pretrained=True)` builds timm's model from it, and vitft's `create_model` its native
+one), a model card (README.md with Hub metadata, the labels, the training hyperparameters, the
+evaluation results and usage snippets) and, when the run has them, the training curves and the
+confusion matrix the card embeds.
+
+`push` exports to a temporary folder and uploads it with huggingface_hub's `HfApi`. The token comes
+from the `token` argument, HF_TOKEN or the cached `hf auth login`, in that order; it is only ever
+handed to huggingface_hub, never printed, logged or written anywhere.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+from .errors import VitftError
+
+log = logging.getLogger("vitft")
+
+PLACEHOLDER_REPO = "<user>/<repo>"
+CARD_IMAGES = ("curves.png", "confusion_matrix.png")
+# every file `export` writes: what --overwrite replaces in an existing folder (nothing else is touched)
+EXPORT_FILES = ("config.json", "model.safetensors", "README.md", *CARD_IMAGES)
+DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16", "half": "float16",
+          "bf16": "bfloat16", "bfloat16": "bfloat16"}
+TAGS = ["image-classification", "timm", "vitft", "vision-transformer"]
+# TrainConfig fields about the machine or the run's bookkeeping, not the recipe: kept out of the card
+_NOT_HYPERPARAMETERS = {"data", "output", "overwrite", "cache", "workers", "device", "quiet", "tensorboard",
+                        "save_every", "push_to_hub", "compile", "grad_checkpointing", "resume"}
+_SPLIT_NAMES = {"train", "val", "valid", "validation", "test", "seg_train", "seg_test", "seg_pred", "images", "data"}
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+PathLike = Union[str, os.PathLike]
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """Where a push landed: the repo URL and the commit (plus the pull request, with create_pr)."""
+
+    url: str
+    commit: str
+    commit_url: str = ""
+    pr_url: Optional[str] = None
+
+
+# ---- reading a run ----------------------------------------------------------------------------------
+def _check_run(run_dir: PathLike) -> Path:
+    run = Path(run_dir).expanduser()
+    if not run.is_dir():
+        raise VitftError(f"run folder {run} not found")
+    if not (run / "config.json").is_file():
+        raise VitftError(f"{run} has no config.json; pass a run folder written by `vitft finetune` "
+                         "(or any folder written by save_pretrained)")
+    return run
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    """An optional JSON file of the run: None when absent or unreadable (with a warning)."""
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        log.warning("ignoring %s: cannot read it (%s)", path, err)
+        return None
+    if not isinstance(value, dict):
+        log.warning("ignoring %s: not a JSON object", path)
+        return None
+    return value
+
+
+def _dict(value: Any) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _run_info(run: Path) -> dict:
+    """The defensive view of the run's "vitft" config key: train, data, best (each possibly empty)."""
+    config = _read_json(run / "config.json") or {}
+    info = _dict(config.get("vitft"))
+    return {"config": config, "train": _dict(info.get("train")), "data": _dict(info.get("data")),
+            "best": _dict(info.get("best"))}
+
+
+def _torch_dtype(dtype: str):
+    import torch
+
+    name = DTYPES.get(str(dtype).lower())
+    if name is None:
+        raise VitftError(f"unknown dtype {dtype!r}; use fp32, fp16 or bf16")
+    return getattr(torch, name)
+
+
+def _is_local_path(value: Any) -> bool:
+    if not isinstance(value, str) or not value:
+        return False
+    if value.startswith(("./", "../", "~", "local-dir:")) or Path(value).expanduser().is_absolute():
+        return True
+    return False
+
+
+def _hyperparameters(train: dict) -> dict:
+    """The recipe part of the training config: no machine settings, no local paths."""
+    out = {}
+    for key, value in train.items():
+        if key in _NOT_HYPERPARAMETERS or value is None or _is_local_path(value):
+            continue
+        if isinstance(value, (str, int, float, bool)) or (
+                isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float, bool)) for v in value)):
+            out[key] = list(value) if isinstance(value, tuple) else value
+        elif isinstance(value, dict) and value and all(isinstance(v, (str, int, float, bool)) for v in value.values()):
+            out[key] = dict(value)
+    return out
+
+
+def base_model(train: dict) -> Optional[str]:
+    """The Hub repo id of the weights a run was fine-tuned from; None from scratch or from local weights."""
+    pretrained, model = train.get("pretrained"), train.get("model")
+    if pretrained is None or pretrained is False or str(pretrained).strip().lower() in ("", "none", "false"):
+        return None
+    spec = str(pretrained).strip()
+    if spec.lower() == "true":
+        spec = str(model or "")
+    if spec.startswith("hf-hub:"):
+        return spec[len("hf-hub:"):].split("@", 1)[0] or None
+    if not spec or _is_local_path(spec) or Path(spec).exists() or spec.endswith((".safetensors", ".pth", ".pt",
+                                                                                  ".bin", ".ckpt", ".npz")):
+        return None
+    from .weights import resolve
+
+    try:
+        source = resolve(str(model), spec) if model and spec != model else resolve(spec, True)
+    except Exception:  # noqa: BLE001 - an unknown name only costs the card its base_model line
+        return None
+    hub_id = source.pretrained_cfg.get("hf_hub_id")
+    if hub_id and hub_id.endswith("/"):
+        tag = source.pretrained_cfg.get("tag")
+        hub_id += f"{source.arch}.{tag}" if tag else source.arch
+    return hub_id or None
+
+
+def _hub_dataset(*values: Any) -> Optional[str]:
+    """A Hub dataset id from an explicit value or a data root written as hf-hub:ID / hf://datasets/ID."""
+    for value in values:
+        if not isinstance(value, str) or not value:
+            continue
+        for prefix in ("hf-hub:", "hf://datasets/", "datasets/"):
+            if value.startswith(prefix):
+                value = value[len(prefix):]
+        value = value.split("@", 1)[0]
+        if _REPO_ID.fullmatch(value) and not Path(value).exists():
+            return value
+    return None
+
+
+def _dataset_name(root: Any) -> Optional[str]:
+    """A readable dataset name from a local data root (its folder name, skipping split folders)."""
+    if not isinstance(root, str) or not root:
+        return None
+    path = Path(root.rstrip("/\\"))
+    while path.name.lower() in _SPLIT_NAMES and path.parent.name:
+        path = path.parent
+    return path.name or None
+
+
+# ---- the model card -----------------------------------------------------------------------------------
+def _md(value: Any) -> str:
+    """A value as one markdown table cell."""
+    if isinstance(value, float):
+        text = f"{value:.6g}"
+    elif isinstance(value, (list, tuple)):
+        text = ", ".join(_md(v) for v in value)
+    elif isinstance(value, dict):
+        text = ", ".join(f"{k}={_md(v)}" for k, v in value.items())
+    else:
+        text = str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _pct(value: Any) -> str:
+    return f"{100 * float(value):.2f} %" if isinstance(value, (int, float)) else "-"
+
+
+def _number(value: Any) -> Optional[float]:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _per_class_rows(per_class: Any) -> tuple[list[str], list[tuple[str, dict]]]:
+    """report.json's per_class (a {class: {metric: value}} map or a list of rows) as table columns and rows."""
+    rows: list[tuple[str, dict]] = []
+    if isinstance(per_class, dict):
+        rows = [(str(name), v) for name, v in per_class.items() if isinstance(v, dict)]
+    elif isinstance(per_class, list):
+        for item in per_class:
+            if isinstance(item, dict):
+                name = next((item[k] for k in ("class", "name", "label") if k in item), None)
+                if name is not None:
+                    rows.append((str(name), item))
+    columns: list[str] = []
+    for _, metrics in rows:
+        for key, value in metrics.items():
+            if key not in columns and key not in ("class", "name", "label") and _number(value) is not None:
+                columns.append(key)
+    return columns, rows
+
+
+def _model_index(name: str, report: dict, dataset_id: Optional[str], dataset_name: Optional[str]) -> list:
+    metrics = []
+    accuracy, top5 = _number(report.get("accuracy")), _number(report.get("top5"))
+    if accuracy is not None:
+        metrics.append({"type": "accuracy", "value": round(accuracy, 6), "name": "Accuracy"})
+    if top5 is not None:
+        metrics.append({"type": "top_5_accuracy", "value": round(top5, 6), "name": "Top-5 Accuracy"})
+    for key, label in (("macro_f1", "Macro F1"), ("weighted_f1", "Weighted F1")):
+        if _number(report.get(key)) is not None:
+            metrics.append({"type": "f1", "value": round(float(report[key]), 6), "name": label,
+                            "args": {"average": key.split("_")[0]}})
+    if not metrics:
+        return []
+    data = _dict(report.get("data"))
+    dataset = {"name": dataset_id or dataset_name or "custom image folder", "type": dataset_id or "imagefolder"}
+    if isinstance(data.get("split"), str) and data["split"]:
+        dataset["split"] = data["split"]
+    return [{"name": name, "results": [{
+        "task": {"type": "image-classification", "name": "Image Classification"},
+        "dataset": dataset, "metrics": metrics}]}]
+
+
+def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, dtype: str = "fp32",
+               dataset: Optional[str] = None, images: tuple[str, ...] = ()) -> str:
+    """The README.md text for a run: YAML metadata (the Hub's model card format), then the card itself.
+
+    `repo_id` is the repo the card will live in (a placeholder in the usage snippets without it);
+    `model` the loaded model (read from the run when None); `images` the card images next to it.
+    """
+    import yaml
+
+    run = _check_run(run_dir)
+    info = _run_info(run)
+    train, data, best = info["train"], info["data"], info["best"]
+    if model is None:
+        from .weights import load_model
+
+        model = load_model(str(run))
+    cfg = dict(model.pretrained_cfg)
+    report = _read_json(run / "report.json") or {}
+    repo = repo_id or PLACEHOLDER_REPO
+    name = repo_id.split("/")[-1] if repo_id else run.resolve().name
+    base = base_model(train)
+    dataset_id = _hub_dataset(dataset, data.get("hub_id"), data.get("dataset"), train.get("dataset"),
+                              data.get("root"), train.get("data"))
+    dataset_name = dataset_id or _dataset_name(_dict(report.get("data")).get("root")) \
+        or _dataset_name(data.get("root")) or _dataset_name(train.get("data"))
+    labels = list(cfg.get("label_names") or data.get("classes") or [])
+    hyper = _hyperparameters(train)
+
+    meta: dict[str, Any] = {"library_name": "timm", "pipeline_tag": "image-classification",
+                            "license": str(cfg.get("license") or "apache-2.0"), "tags": list(TAGS)}
+    if base:
+        meta["base_model"] = base
+    if dataset_id:
+        meta["datasets"] = [dataset_id]
+    if report:
+        meta["metrics"] = ["accuracy"]
+    index = _model_index(name, report, dataset_id, dataset_name) if report else []
+    if index:
+        meta["model-index"] = index
+    front = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True, default_flow_style=False)
+
+    arch = cfg.get("architecture", "vit")
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    size = model.patch_embed.img_size
+    origin = f"fine-tuned from [`{base}`](https://huggingface.co/{base})" if base else "trained from scratch"
+    on = f" on {f'[`{dataset_id}`](https://huggingface.co/datasets/{dataset_id})' if dataset_id else dataset_name}" \
+        if dataset_name else ""
+    out = [f"---\n{front}---\n", f"# {name}\n",
+           f"A Vision Transformer image classifier ({len(labels) or model.num_classes} classes), {origin}{on} with "
+           f"[vitft](https://pypi.org/project/vit-finetune/). The weights are in timm's format: timm and vitft "
+           f"both load them by name.\n",
+           "## Model details\n",
+           f"- **Architecture:** `{arch}` (timm), {params:.1f} M parameters",
+           f"- **Fine-tuned from:** {f'[`{base}`](https://huggingface.co/{base})' if base else 'none (random init)'}",
+           f"- **Input size:** {size[0]} x {size[1]}",
+           f"- **Preprocessing:** mean {_md(cfg.get('mean', '-'))}, std {_md(cfg.get('std', '-'))}, "
+           f"{cfg.get('interpolation', 'bicubic')} resize, crop_pct {cfg.get('crop_pct', '-')}",
+           f"- **Weights:** model.safetensors ({DTYPES.get(str(dtype).lower(), dtype)})",
+           f"- **License:** {meta['license']}"]
+    if dataset_name:
+        out.append(f"- **Dataset:** {dataset_name}")
+    out.append("")
+    if labels:
+        out += ["## Labels\n", "| index | label |", "| ---: | --- |"]
+        out += [f"| {i} | {_md(label)} |" for i, label in enumerate(labels)]
+        out.append("")
+    if hyper or best or data.get("counts") or "curves.png" in images:
+        out.append("## Training\n")
+        if data.get("layout"):
+            out.append(f"Data layout: {_md(data['layout'])}.\n")
+        counts = _dict(data.get("counts"))
+        if counts and all(isinstance(v, dict) for v in counts.values()):
+            splits = list(counts)
+            out += ["| class | " + " | ".join(splits) + " |", "| --- |" + " ---: |" * len(splits)]
+            for label in labels or sorted({c for v in counts.values() for c in v}):
+                out.append(f"| {_md(label)} | " + " | ".join(str(counts[s].get(label, 0)) for s in splits) + " |")
+            out.append("")
+        if best:
+            top1 = best.get("val_top1")
+            shown = f"{top1:.2f} %" if isinstance(top1, (int, float)) and top1 > 1 else _pct(top1)
+            out.append(f"Best validation top-1: {shown} (epoch {best.get('epoch', '-')}).\n")
+        if hyper:
+            out += ["| hyperparameter | value |", "| --- | --- |"]
+            out += [f"| {_md(k)} | {_md(v)} |" for k, v in hyper.items()]
+            out.append("")
+        if "curves.png" in images:
+            out.append("![Training curves](curves.png)\n")
+    if report or "confusion_matrix.png" in images:
+        out.append("## Evaluation\n")
+    if report:
+        rdata = _dict(report.get("data"))
+        where = " ".join(x for x in (
+            f"on {dataset_name}" if dataset_name else "",
+            f"split `{rdata['split']}`" if rdata.get("split") else "",
+            f"({rdata['num_images']} images)" if rdata.get("num_images") else "") if x)
+        if where:
+            out.append(f"Evaluated {where}.\n")
+        out += ["| metric | value |", "| --- | ---: |"]
+        for key, label, fmt in (("accuracy", "top-1 accuracy", _pct), ("top5", "top-5 accuracy", _pct),
+                                ("macro_f1", "macro F1", lambda v: f"{v:.4f}"),
+                                ("weighted_f1", "weighted F1", lambda v: f"{v:.4f}"),
+                                ("loss", "loss", lambda v: f"{v:.4f}")):
+            if _number(report.get(key)) is not None:
+                out.append(f"| {label} | {fmt(float(report[key]))} |")
+        out.append("")
+        columns, rows = _per_class_rows(report.get("per_class"))
+        if columns and rows:
+            out += ["| class | " + " | ".join(_md(c) for c in columns) + " |", "| --- |" + " ---: |" * len(columns)]
+            for label, metrics in rows:
+                cells = [_md(metrics[c]) if _number(metrics.get(c)) is not None else "-" for c in columns]
+                out.append(f"| {_md(label)} | " + " | ".join(cells) + " |")
+            out.append("")
+    if "confusion_matrix.png" in images:
+        out.append("![Confusion matrix](confusion_matrix.png)\n")
+    k = min(5, model.num_classes)
+    out += ["## Usage\n", "### timm\n", "```python", "import timm", "import torch", "from PIL import Image", "",
+            f'model = timm.create_model("hf-hub:{repo}", pretrained=True).eval()',
+            "data_config = timm.data.resolve_model_data_config(model)",
+            "transforms = timm.data.create_transform(**data_config, is_training=False)", "",
+            'image = Image.open("image.jpg").convert("RGB")',
+            "with torch.no_grad():",
+            "    probs = model(transforms(image).unsqueeze(0)).softmax(dim=-1)",
+            f"top = probs.topk({k})",
+            'labels = model.pretrained_cfg["label_names"]',
+            "for p, i in zip(top.values[0], top.indices[0]):",
+            '    print(f"{labels[i]}: {p:.3f}")', "```", "",
+            "### vitft\n", "```bash", "pip install vit-finetune",
+            f"vitft predict hf-hub:{repo} images/", "```", "", "```python", "import vit_finetune", "",
+            f'model = vit_finetune.create_model("hf-hub:{repo}", pretrained=True).eval()', "```", ""]
+    return "\n".join(out)
+
+
+# ---- export -------------------------------------------------------------------------------------------
+def _small_vitft_info(info: dict) -> dict:
+    """What the exported config keeps of the run's "vitft" key: the recipe and the best epoch, no paths."""
+    small: dict[str, Any] = {}
+    hyper = _hyperparameters(info["train"])
+    if hyper:
+        small["train"] = hyper
+    if info["best"]:
+        small["best"] = {k: v for k, v in info["best"].items() if isinstance(v, (int, float, str))}
+    return small
+
+
+def _staging_dir(out: Path) -> Path:
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    except OSError as err:
+        raise VitftError(f"cannot write to {out.parent}: {err}") from err
+
+
+def _plain_permissions(folder: Path) -> None:
+    """Temporary files are private (0600/0700): give the export the modes a plain write would have."""
+    mask = os.umask(0)
+    os.umask(mask)
+    folder.chmod(0o777 & ~mask)
+    for item in folder.iterdir():
+        item.chmod(0o666 & ~mask)
+
+
+def _install(staging: Path, out: Path) -> None:
+    """Move the finished export into place: a rename for a new folder, file by file over an old export."""
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    if not out.exists():
+        os.replace(staging, out)
+        return
+    for name in EXPORT_FILES:
+        (out / name).unlink(missing_ok=True)
+    for item in staging.iterdir():
+        os.replace(item, out / item.name)
+
+
+def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwrite: bool = False,
+           repo_id: Optional[str] = None, dataset: Optional[str] = None) -> Path:
+    """Write the folder `push` uploads: timm-format config.json + model.safetensors, README.md, images.
+
+    `dtype` (fp32, fp16, bf16) is the saved weights' precision; `repo_id` the repo the card's usage
+    snippets name (a `<user>/<repo>` placeholder without it); `dataset` a Hub dataset id for the card's
+    metadata. A non-empty `out_dir` is an error unless `overwrite`, which replaces only the files an
+    export writes. Everything is written to a staging folder first: a new `out_dir` appears complete
+    or not at all.
+    """
+    run = _check_run(run_dir)
+    torch_dtype = _torch_dtype(dtype)
+    out = Path(out_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise VitftError(f"{out} exists and is not a folder")
+    if out.resolve() == run.resolve():
+        raise VitftError(f"export into a new folder, not into the run folder {run} itself")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise VitftError(f"{out} already exists and is not empty; pass --overwrite to replace the exported files "
+                         "in it, or pick another folder")
+    from .weights import load_model, save_pretrained
+
+    model = load_model(str(run))
+    info = _run_info(run)
+    staging = _staging_dir(out)
+    try:
+        save_pretrained(model, staging, extra_config={"vitft": _small_vitft_info(info)} if info["train"] else None,
+                        dtype=torch_dtype)
+        images = tuple(name for name in CARD_IMAGES if (run / name).is_file())
+        for name in images:
+            shutil.copyfile(run / name, staging / name)
+        card = model_card(run, repo_id, model=model, dtype=dtype, dataset=dataset, images=images)
+        (staging / "README.md").write_text(card, encoding="utf-8")
+        _plain_permissions(staging)
+        _install(staging, out)
+    except OSError as err:
+        raise VitftError(f"cannot write the export to {out}: {err}") from err
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log.debug("exported %s to %s (%s weights)", run, out, DTYPES[str(dtype).lower()])
+    return out
+
+
+# ---- push ---------------------------------------------------------------------------------------------
+def resolve_token(token: Optional[str] = None) -> str:
+    """The Hub token: `token`, else HF_TOKEN, else the cached login; a VitftError when there is none.
+
+    The trainer calls this before training when --push-to-hub is set, so a missing token fails early.
+    """
+    if token and token.strip():
+        return token.strip()
+    env = os.environ.get("HF_TOKEN", "").strip()
+    if env:
+        return env
+    try:
+        from huggingface_hub import get_token
+
+        cached = get_token()
+    except Exception as err:  # noqa: BLE001 - e.g. a failed OIDC exchange: say so, without the details
+        raise VitftError(f"cannot read the cached Hugging Face login ({type(err).__name__}); pass --token "
+                         "or set HF_TOKEN") from None
+    if cached and cached.strip():
+        return cached.strip()
+    raise VitftError("no Hugging Face token: pass --token, set HF_TOKEN, or log in once with `hf auth login` "
+                     "(a token with write access, from https://huggingface.co/settings/tokens)")
+
+
+def _check_repo_id(repo_id: str) -> str:
+    repo_id = str(repo_id).strip().removeprefix("hf-hub:")
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise VitftError(f"invalid repo id {repo_id!r}: use 'user/name' or 'org/name' "
+                         f"({str(err).splitlines()[0]})") from None
+    return repo_id
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """Connection-level exception types of whichever HTTP client huggingface_hub uses."""
+    errors: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    for module, names in (("httpx2", ("TransportError",)), ("httpx", ("TransportError",)),
+                          ("requests", ("ConnectionError", "Timeout"))):
+        mod = sys.modules.get(module)
+        for name in names:
+            exc = getattr(getattr(mod, "exceptions", mod), name, None) if mod else None
+            if isinstance(exc, type) and issubclass(exc, BaseException):
+                errors.append(exc)
+    return tuple(errors)
+
+
+def _http_message(err: Exception, action: str, repo_id: str) -> str:
+    response = getattr(err, "response", None)
+    status = getattr(response, "status_code", None)
+    namespace = repo_id.split("/")[0]
+    if status == 401:
+        text = (f"authentication failed (401) while {action}: the Hub rejected the token; it may be invalid or "
+                "expired; create a new one at https://huggingface.co/settings/tokens")
+    elif status == 403:
+        text = (f"permission denied (403) while {action}: the token cannot write to {namespace!r}; use a token "
+                f"with write access to {repo_id}")
+    elif status == 404:
+        text = (f"not found (404) while {action}: {repo_id} (or the revision) does not exist, or the token "
+                "cannot see it")
+    elif status == 429:
+        text = f"rate limited (429) by the Hub while {action}, even after retries; wait a few minutes and push again"
+    elif isinstance(status, int) and status >= 500:
+        text = f"the Hub failed (HTTP {status}) while {action}, even after retries; try again later"
+    else:
+        text = f"HTTP {status or 'error'} while {action}"
+    detail = getattr(err, "server_message", None)
+    if detail:
+        detail = " ".join(str(detail).split())[:200]
+        text += f" (server: {detail})"
+    return text
+
+
+@contextlib.contextmanager
+def _hub_step(action: str, repo_id: str) -> Iterator[None]:
+    """Turn huggingface_hub's errors during `action` into one clear VitftError."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import HfHubHTTPError
+
+    try:
+        yield
+    except HfHubHTTPError as err:
+        raise VitftError(_http_message(err, action, repo_id)) from err
+    except _transport_errors() as err:
+        if type(err).__name__ == "OfflineModeIsEnabled":
+            raise VitftError(f"cannot push while HF_HUB_OFFLINE is set ({action}); unset it") from err
+        raise VitftError(f"cannot reach the Hugging Face Hub at {constants.ENDPOINT} while {action} "
+                         f"({type(err).__name__}); check the network connection, proxy settings or HF_ENDPOINT") \
+            from err
+    except ValueError as err:  # huggingface_hub's own checks, e.g. invalid card metadata
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise VitftError(f"{action} failed: {first}") from err
+
+
+def _plain_branch(revision: Optional[str]) -> bool:
+    """A branch name push may create (not main, a PR ref or a commit hash)."""
+    return bool(revision) and revision != "main" and not revision.startswith("refs/") \
+        and not re.fullmatch(r"[0-9a-f]{40}", revision)
+
+
+def push(run_dir: PathLike, repo_id: str, token: Optional[str] = None, private: bool = False,
+         revision: Optional[str] = None, create_pr: bool = False, commit_message: Optional[str] = None,
+         overwrite_card: bool = False, *, dtype: str = "fp32", dataset: Optional[str] = None) -> PushResult:
+    """Export `run_dir` and upload it to the Hub model repo `repo_id` (created when missing).
+
+    The repo's existing README.md is kept unless `overwrite_card`. `revision` commits to that branch
+    (created from main when missing); `create_pr` opens a pull request against main instead. The
+    export lives in a temporary folder that is always removed.
+    """
+    run = _check_run(run_dir)
+    from .weights import _weights_in
+
+    _weights_in(run)  # the cheap local checks first: nothing is created on the Hub for a broken run
+    repo_id = _check_repo_id(repo_id)
+    _torch_dtype(dtype)
+    if create_pr and revision not in (None, "main"):
+        raise VitftError("--create-pr opens a pull request against main; drop --revision (or drop --create-pr "
+                         "to commit to that branch)")
+    token = resolve_token(token)  # before any work: no token, no export and no request
+
+    from huggingface_hub import HfApi
+
+    from . import __version__
+
+    api = HfApi(token=token, library_name="vitft", library_version=__version__)
+    message = commit_message or f"Upload {run.resolve().name} with vitft"
+    # the Hub first (auth, permission and network problems show before the export's work) ...
+    with _hub_step(f"creating the repo {repo_id}", repo_id):
+        repo_url = api.create_repo(repo_id, private=True if private else None, exist_ok=True)
+    repo_id = getattr(repo_url, "repo_id", None) or repo_id  # a bare name lands in the token's namespace
+    if _plain_branch(revision) and not create_pr:
+        with _hub_step(f"creating the branch {revision} of {repo_id}", repo_id):
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+    keep_card = False
+    if not overwrite_card:
+        with _hub_step(f"checking {repo_id} for a README.md", repo_id):
+            keep_card = api.file_exists(repo_id, "README.md", revision=None if create_pr else revision)
+        if keep_card:
+            log.info("keeping the model card (README.md) already in %s; --overwrite-card replaces it", repo_id)
+    # ... then the export, in a temporary folder that is removed whatever happens
+    with tempfile.TemporaryDirectory(prefix="vitft-push-") as tmp:
+        folder = export(run, Path(tmp) / "export", dtype=dtype, repo_id=repo_id, dataset=dataset)
+        # card images the new card no longer shows are removed from the repo (not when the old card stays)
+        stale = [] if keep_card else [n for n in CARD_IMAGES if not (folder / n).is_file()]
+        with _hub_step(f"uploading to {repo_id}", repo_id):
+            info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=message,
+                                     revision=revision, create_pr=create_pr,
+                                     ignore_patterns=["README.md"] if keep_card else None,
+                                     delete_patterns=stale or None)
+    return PushResult(url=str(repo_url), commit=str(info.oid), commit_url=str(info.commit_url or ""),
+                      pr_url=str(info.pr_url) if getattr(info, "pr_url", None) else None)
+
+
+def push_run(run_dir: PathLike, repo_id: str, **options: Any) -> PushResult:
+    """`vitft finetune --push-to-hub REPO_ID`: push the finished run and log where it went."""
+    result = push(run_dir, repo_id, **options)
+    log.info("pushed %s to %s (commit %s)", run_dir, result.pr_url or result.url, result.commit[:12])
+    return result
