@@ -26,6 +26,7 @@ from timm.data.constants import DEFAULT_CROP_PCT, IMAGENET_DEFAULT_MEAN, IMAGENE
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
 
 from vit_finetune.errors import VitftError
+from vit_finetune.runtime import fit_cpu_threads
 
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # albumentations would otherwise ask PyPI on every import
 import albumentations as A  # noqa: E402
@@ -454,6 +455,8 @@ def build_loader(
     call loader.sampler.set_epoch(epoch) every epoch to reshuffle.
     """
     workers = default_workers() if workers is None else workers
+    processes = torch.distributed.get_world_size() if distributed else 1
+    fit_cpu_threads(torch.device(device_type), workers, processes)  # the workers' cores are not torch's
     if isinstance(dataset, ImageDataset):
         dataset.fill_cache()  # before the workers fork, so they share it
     _seed_transform(dataset, seed)  # workers reseed their copy in _init_worker

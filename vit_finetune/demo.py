@@ -52,7 +52,7 @@ def demo(output: Union[str, Path] = "vitft-demo", epochs: int = 8, seed: int = 0
     data = make_demo_data(output / "data", seed=seed)
     log.info("demo data: %s (%d classes x 80 generated images)", data, len(CLASSES))
     run = finetune(data=str(data), pretrained="none", model="vit_tiny_patch16_224", model_kwargs=DEMO_MODEL,
-                   epochs=epochs, batch_size=32, lr=4e-3, warmup_epochs=1, val_split=0.25, drop_path=0.0,
+                   epochs=epochs, batch_size=32, lr=0.03, warmup_epochs=1, val_split=0.25, drop_path=0.0,
                    scale=(0.5, 1.0), workers=0, device="cpu", seed=seed, output=str(output / "run"),
                    overwrite=True, quiet=True)
     report = evaluate(run.run_dir, data, device="cpu", workers=0, output=run.run_dir)

@@ -332,7 +332,7 @@ class VisionTransformer(nn.Module):
         self.pos_drop = nn.Dropout(pos_drop_rate)
         self.norm_pre = norm(embed_dim) if pre_norm else nn.Identity()
 
-        rates = torch.linspace(0, drop_path_rate, depth).tolist()
+        rates = torch.linspace(0, drop_path_rate, depth, device="cpu").tolist()  # works under a meta device
         self.blocks = nn.Sequential(*[
             Block(embed_dim, num_heads, mlp_ratio, qkv_bias, qk_norm, scale_attn_norm, scale_mlp_norm,
                   proj_bias, proj_drop_rate, attn_drop_rate, init_values, rates[i], act, norm, mlp_layer)

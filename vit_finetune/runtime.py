@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -37,3 +38,16 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     if precision == "fp16" and device.type == "cpu":
         raise VitftError("fp16 autocast is for GPUs; use --precision bf16 or fp32 on the CPU")
     return torch.autocast(device_type=device.type, dtype=PRECISIONS[precision])
+
+
+def fit_cpu_threads(device: torch.device, workers: int, processes: int = 1) -> None:
+    """On the CPU, give torch only the cores that loader workers and sibling processes leave free.
+
+    OpenMP threads that share a core with a busy worker wait on each other at every op: on a
+    2-core machine, 2 torch threads beside 1 loader worker run ~100x slower than 1 thread.
+    An explicit OMP_NUM_THREADS wins.
+    """
+    if device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        return
+    free = (os.cpu_count() or 1) // max(processes, 1) - workers
+    torch.set_num_threads(max(1, free))

@@ -54,7 +54,10 @@ def _timm_cfg(arch: str, tag: Optional[str]) -> dict:
     import timm
 
     full = f"{arch}.{tag}" if tag else arch
-    cfg = timm.models.get_pretrained_cfg(full, allow_unregistered=False) if tag else None
+    try:
+        cfg = timm.models.get_pretrained_cfg(full, allow_unregistered=False) if tag else None
+    except RuntimeError:  # timm raises (rather than returning None) for an unknown tag of a known arch
+        cfg = None
     if tag and cfg is None:
         tags = [n.split(".", 1)[1] for n in timm.list_pretrained(f"{arch}.*")]
         raise VitftError(f"unknown pretrained tag {tag!r} for {arch}; available: {', '.join(tags) or 'none'}")
@@ -70,20 +73,23 @@ def _hub_download(repo_id: str, filenames: tuple[str, ...], revision: Optional[s
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
 
-    missing = []
+    missing, not_cached = [], None
     for filename in filenames:
         try:
             return Path(hf_hub_download(repo_id, filename, revision=revision))
+        except LocalEntryNotFoundError as err:  # a subclass of EntryNotFoundError: test it first
+            not_cached = not_cached or err  # the next filename may still be in the cache
+            missing.append(filename)
         except EntryNotFoundError:
             missing.append(filename)
         except RepositoryNotFoundError as err:
             raise VitftError(f"Hub repo {repo_id!r} not found (or private: set HF_TOKEN)") from err
-        except LocalEntryNotFoundError as err:
-            offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-            why = "HF_HUB_OFFLINE is set" if offline else "the Hub could not be reached"
-            raise VitftError(
-                f"{repo_id}/{filename} is not in the local HF cache and {why}; download it once with network "
-                f"access or pass a local weights file") from err
+    if not_cached is not None:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+        why = "HF_HUB_OFFLINE is set" if offline else "the Hub could not be reached"
+        raise VitftError(
+            f"{repo_id}/{' or '.join(missing)} is not in the local HF cache and {why}; download it once with "
+            f"network access or pass a local weights file") from not_cached
     raise VitftError(f"Hub repo {repo_id!r} has none of {', '.join(missing)}")
 
 

@@ -1,0 +1,337 @@
+"""Weights in and out, all offline: local files, the HF cache, torchvision, timm folders, errors."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from safetensors.torch import save_file
+
+from vit_finetune import VitftError, create_model, resize_pos_embed, save_pretrained
+
+from conftest import CLASSES, TINY
+
+TINY_ARCH = "vit_tiny_patch16_224"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: two OpenMP threads stall on each other on a busy 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def image(*size: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
+    h, w = size if len(size) == 2 else (size[0], size[0])
+    return torch.randn(batch, 3, h, w, generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def logits(model, x) -> torch.Tensor:
+    return model.eval()(x)
+
+
+def save_safetensors(state: dict, path: Path) -> Path:
+    save_file({k: v.detach().contiguous() for k, v in state.items()}, str(path))
+    return path
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Give every tensor random values (also the zero-initialised biases, tokens and heads)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and name.endswith("weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_((0.02 if p.ndim > 1 else 0.1) * torch.randn(p.shape, generator=g))
+    return model
+
+
+@pytest.fixture(scope="module")
+def timm_tiny():
+    """timm's vit_tiny_patch16_224 (full depth, 1000 classes) with random weights."""
+    torch.manual_seed(0)
+    return randomize_(timm.create_model(TINY_ARCH)).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory) -> tuple[Path, dict]:
+    """A 1000-class, depth-2, 224 px vit_tiny checkpoint (.safetensors) and its state dict."""
+    torch.manual_seed(1)
+    model = randomize_(create_model(TINY_ARCH, depth=2), seed=1)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return save_safetensors(state, tmp_path_factory.mktemp("ckpt") / "tiny2.safetensors"), state
+
+
+# ---- local files --------------------------------------------------------------------------------
+def test_local_safetensors_from_timm_matches_timm(tmp_path, timm_tiny):
+    path = save_safetensors(timm_tiny.state_dict(), tmp_path / "w.safetensors")
+    model = create_model(TINY_ARCH, pretrained=path)
+    x = image(224, batch=2)
+    torch.testing.assert_close(logits(model, x), logits(timm_tiny, x), atol=1e-5, rtol=1e-5)
+    assert model.pretrained_cfg["source"] == str(path)
+    assert model.pretrained_cfg["mean"] == timm_tiny.pretrained_cfg["mean"]
+
+
+def test_wrapped_pth_with_module_prefix_loads(tmp_path, tiny_ckpt):
+    _, state = tiny_ckpt
+    path = tmp_path / "ckpt.pth"
+    torch.save({"state_dict": {"module." + k: v for k, v in state.items()}, "epoch": 3}, path)
+    model = create_model(TINY_ARCH, pretrained=path, depth=2)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state[key]), key
+
+
+# ---- the Hugging Face cache, through the real huggingface_hub client ------------------------------
+def put_in_hf_cache(hf_home: Path, repo_id: str, files: dict[str, Path]) -> Path:
+    """Lay `files` out as huggingface_hub's cache does: blobs/, snapshots/<commit>/ symlinks, refs/main."""
+    repo = hf_home / "hub" / ("models--" + repo_id.replace("/", "--"))
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for name, src in files.items():
+        data = src.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+HUB_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    from huggingface_hub import constants
+    from vit_finetune import VitftError, create_model
+
+    expected = torch.load(sys.argv[1])
+    x = expected["x"]
+    out = {"offline": constants.HF_HUB_OFFLINE, "cache": constants.HF_HUB_CACHE}
+    try:
+        with torch.no_grad():
+            tag = create_model("vit_tiny_patch16_224", pretrained=True).eval()
+            out["tag_source"] = tag.pretrained_cfg["source"]
+            out["tag_diff"] = (tag(x) - expected["tag"]).abs().max().item()
+            repo = create_model("hf-hub:someorg/somerepo", pretrained=True).eval()
+            out["repo_diff"] = (repo(x[:, :, :32, :32]) - expected["repo"]).abs().max().item()
+            out["repo_labels"] = repo.pretrained_cfg.get("label_names")
+            out["repo_shape"] = [repo.embed_dim, len(repo.blocks), repo.num_classes, *repo.patch_embed.img_size]
+    except VitftError as err:
+        out["error"] = str(err)
+    print(json.dumps(out))
+""")
+
+
+def run_hub_script(hf_home: Path, expected: Path) -> subprocess.Popen:
+    # huggingface_hub reads HF_HOME / HF_HUB_OFFLINE into huggingface_hub.constants at import
+    # time, so the real client is exercised in a fresh interpreter with the environment set
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN")}
+    env.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-c", HUB_SCRIPT, str(expected)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def hub_result(proc: subprocess.Popen) -> dict:
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_hf_cache_offline(tmp_path, monkeypatch):
+    hf_home, empty_home = tmp_path / "hf_home", tmp_path / "empty_hf_home"
+    empty_home.mkdir()
+    monkeypatch.setenv("HF_HOME", str(hf_home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    torch.manual_seed(2)
+    tag_model = create_model(TINY_ARCH).eval()
+    weights = save_safetensors(tag_model.state_dict(), tmp_path / "model.safetensors")
+    put_in_hf_cache(hf_home, "timm/vit_tiny_patch16_224.augreg_in21k_ft_in1k", {"model.safetensors": weights})
+
+    repo_model = create_model(TINY_ARCH, num_classes=len(CLASSES), **TINY).eval()
+    repo_model.pretrained_cfg["label_names"] = list(CLASSES)
+    folder = save_pretrained(repo_model, tmp_path / "repo")
+    put_in_hf_cache(hf_home, "someorg/somerepo",
+                    {"config.json": folder / "config.json", "model.safetensors": folder / "model.safetensors"})
+
+    x = image(224)
+    expected = tmp_path / "expected.pt"
+    torch.save({"x": x, "tag": logits(tag_model, x), "repo": logits(repo_model, x[:, :, :32, :32])}, expected)
+
+    procs = [run_hub_script(hf_home, expected), run_hub_script(empty_home, expected)]
+    cached, empty = (hub_result(p) for p in procs)
+
+    assert cached["offline"] is True and cached["cache"] == str(hf_home / "hub")
+    assert "error" not in cached, cached["error"]
+    assert cached["tag_source"] == "timm/vit_tiny_patch16_224.augreg_in21k_ft_in1k"
+    assert cached["tag_diff"] < 1e-5
+    assert cached["repo_labels"] == CLASSES
+    assert cached["repo_shape"] == [64, 2, len(CLASSES), 32, 32]
+    assert cached["repo_diff"] < 1e-5
+
+    assert "vit_tiny_patch16_224" in empty["error"]
+    assert "not in the local HF cache" in empty["error"] and "HF_HUB_OFFLINE" in empty["error"]
+
+
+# ---- torchvision checkpoints ---------------------------------------------------------------------
+def test_torchvision_vit_b_16_checkpoint(tmp_path):
+    import torchvision
+
+    torch.manual_seed(0)
+    tv = torchvision.models.vit_b_16(weights=None).eval()
+    with torch.no_grad():  # torchvision zero-initialises the head and class token: randomise them
+        g = torch.Generator().manual_seed(0)
+        for p in (tv.heads.head.weight, tv.heads.head.bias, tv.class_token):
+            p.copy_(0.02 * torch.randn(p.shape, generator=g))
+    path = tmp_path / "vit_b_16.pth"
+    torch.save(tv.state_dict(), path)
+
+    model = create_model("vit_base_patch16_224", pretrained=path).eval()
+    x = image(224)
+    expected = logits(tv, x)
+    assert expected.abs().max() > 0.1
+    torch.testing.assert_close(logits(model, x), expected, atol=1e-4, rtol=1e-4)
+
+
+# ---- fitting checkpoints to other shapes -----------------------------------------------------------
+@pytest.fixture
+def vitft_log(caplog):
+    """Records of the 'vitft' logger (attached directly: the CLI may have turned propagation off)."""
+    logger = logging.getLogger("vitft")
+    level = logger.level
+    logger.addHandler(caplog.handler)
+    logger.setLevel(logging.INFO)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+    logger.setLevel(level)
+
+
+def test_head_reinitialised_for_other_class_count(tmp_path, vitft_log):
+    torch.manual_seed(3)
+    source = randomize_(create_model(TINY_ARCH, **TINY), seed=3)
+    assert source.num_classes == 1000
+    path = save_safetensors(source.state_dict(), tmp_path / "w.safetensors")
+    model = create_model(TINY_ARCH, pretrained=path, num_classes=6, **TINY)
+    state, ckpt = model.state_dict(), source.state_dict()
+    assert model.num_classes == 6 and state["head.weight"].shape == (6, 64) and state["head.bias"].shape == (6,)
+    assert set(state) == set(ckpt)
+    for key in state:
+        if not key.startswith("head."):
+            assert torch.equal(state[key], ckpt[key]), key
+    assert any("re-initialised" in r.getMessage() and "1000" in r.getMessage() for r in vitft_log.records)
+    assert "label_names" not in model.pretrained_cfg
+
+
+def test_resized_loading_resizes_pos_embed(tiny_ckpt):
+    path, state = tiny_ckpt
+    model = create_model(TINY_ARCH, pretrained=path, img_size=160, depth=2)
+    assert model.pos_embed.shape == (1, 1 + 10 * 10, 192)
+    expected = resize_pos_embed(state["pos_embed"], (10, 10), (14, 14), 1)
+    assert torch.equal(model.pos_embed.detach(), expected)
+    assert model.pretrained_cfg["input_size"] == (3, 160, 160)
+    assert logits(model, image(160)).shape == (1, 1000)
+
+
+def test_patch_size_override_resamples_patch_embed(tiny_ckpt):
+    from timm.layers import resample_patch_embed
+
+    path, state = tiny_ckpt
+    model = create_model(TINY_ARCH, pretrained=path, patch_size=8, img_size=64, depth=2)
+    weight = model.patch_embed.proj.weight.detach()
+    assert weight.shape == (192, 3, 8, 8)
+    torch.testing.assert_close(weight, resample_patch_embed(state["patch_embed.proj.weight"], [8, 8]))
+    assert model.pos_embed.shape == (1, 1 + 8 * 8, 192)
+    assert torch.equal(model.blocks[1].mlp.fc2.weight.detach(), state["blocks.1.mlp.fc2.weight"])
+    assert logits(model, image(64)).shape == (1, 1000)
+
+
+# ---- writing model folders that timm reads ---------------------------------------------------------
+@pytest.mark.parametrize("overrides", [{}, dict(img_size=96, depth=2, num_classes=6, global_pool="avg")],
+                         ids=["defaults", "overrides"])
+def test_save_pretrained_loads_in_timm(tmp_path, overrides):
+    torch.manual_seed(4)
+    model = randomize_(create_model(TINY_ARCH, **overrides), seed=4).eval()
+    folder = save_pretrained(model, tmp_path / "export")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architecture"] == TINY_ARCH
+    if overrides:
+        assert config["model_args"] == {"img_size": 96, "depth": 2, "global_pool": "avg"}
+        assert config["num_classes"] == 6
+    theirs = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+    size = overrides.get("img_size", 224)
+    x = image(size, batch=2)
+    torch.testing.assert_close(logits(theirs, x), logits(model, x), atol=1e-5, rtol=1e-5)
+    again = create_model(f"local-dir:{folder}", pretrained=True)
+    torch.testing.assert_close(logits(again, x), logits(model, x), atol=0, rtol=0)
+
+
+# ---- errors -----------------------------------------------------------------------------------------
+def test_weights_of_another_arch_name_misshaped_keys(tmp_path):
+    small = create_model("vit_small_patch16_224", depth=2)
+    path = save_safetensors(small.state_dict(), tmp_path / "small.safetensors")
+    with pytest.raises(VitftError, match=r"mis-shaped") as err:
+        create_model(TINY_ARCH, pretrained=path, depth=2)
+    message = str(err.value)
+    assert re.search(r"\d+ mis-shaped \(e\.g\. blocks\.0\.[\w.]+ \(384,?\) vs model \(192,?\)", message), message
+    assert "another architecture" in message
+
+
+def test_corrupted_files(tmp_path, tiny_ckpt):
+    _, state = tiny_ckpt
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(os.urandom(4096))
+    with pytest.raises(VitftError, match="corrupted"):
+        create_model(TINY_ARCH, pretrained=junk, depth=2)
+
+    full = tmp_path / "full.pth"
+    torch.save(state, full)
+    truncated = tmp_path / "truncated.pth"
+    truncated.write_bytes(full.read_bytes()[: full.stat().st_size // 2])
+    with pytest.raises(VitftError, match="corrupted"):
+        create_model(TINY_ARCH, pretrained=truncated, depth=2)
+
+
+def test_unknown_model_suggests_close_name():
+    with pytest.raises(VitftError, match=r"unknown model 'vit_bse_patch16_224'.*did you mean vit_base_patch16_224"):
+        create_model("vit_bse_patch16_224")
+
+
+def test_unknown_pretrained_tag_lists_tags():
+    with pytest.raises(VitftError, match=r"unknown pretrained tag 'nope'.*augreg_in21k_ft_in1k"):
+        create_model("vit_tiny_patch16_224.nope", pretrained=True)
+
+
+def test_unknown_override_key():
+    with pytest.raises(VitftError, match=r"unknown model argument\(s\) embed_dimm.*embed_dim"):
+        create_model(TINY_ARCH, embed_dimm=64)
+
+
+def test_missing_weights_file(tmp_path):
+    missing = tmp_path / "nope.safetensors"
+    with pytest.raises(VitftError, match=r"weights file .*nope\.safetensors not found"):
+        create_model(TINY_ARCH, pretrained=missing)
+
+
+# ---- CLI ----------------------------------------------------------------------------------------------
+def test_cli_models_lists_matching_names():
+    from typer.testing import CliRunner
+
+    from vit_finetune.cli import app
+
+    result = CliRunner().invoke(app, ["models", "vit_b*"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "vit_b_16" in result.output and "vit_base_patch16_224" in result.output
+    assert "vit_small_patch16_224" not in result.output
