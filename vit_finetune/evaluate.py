@@ -30,7 +30,7 @@ from timm.data.constants import DEFAULT_CROP_PCT, IMAGENET_DEFAULT_MEAN, IMAGENE
 from .data import ImageDataset, build_loader, build_transforms, find_dataset, list_images, load_rgb
 from .errors import VitftError
 from .model import VisionTransformer
-from .runtime import autocast, resolve_device
+from .runtime import check_precision, compute_context, resolve_device
 from .weights import TORCH_SUFFIXES, atomic_write, load_model, read_state_dict
 
 log = logging.getLogger("vitft")
@@ -189,7 +189,7 @@ def _check_args(batch_size: int, device: str, precision: str) -> torch.device:
     if batch_size < 1:
         raise VitftError(f"--batch-size must be at least 1, got {batch_size}")
     dev = resolve_device(device)
-    autocast(dev, precision)  # an unknown or unusable precision fails now, before any loading
+    check_precision(dev, precision)  # an unknown or unusable precision fails now, before any loading
     return dev
 
 
@@ -208,7 +208,7 @@ def _infer(model: VisionTransformer, dataset: ImageDataset, batch_size: int, wor
         with torch.inference_mode():
             for x, _, used in loader:
                 x = x.to(device, non_blocking=True)
-                with autocast(device, precision):
+                with compute_context(device, precision):
                     logits = model(x)
                     flipped = model(torch.flip(x, dims=[3])) if tta else None
                 logp = F.log_softmax(logits.float(), dim=1)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .data import DatasetSplits, ImageDataset, build_loader, build_transforms, find_dataset
 from .errors import VitftError
-from .runtime import autocast, resolve_device
+from .runtime import check_precision, compute_context, resolve_device
 from .weights import atomic_write, create_model, save_pretrained
 
 log = logging.getLogger("vitft")
@@ -195,7 +195,8 @@ def _set_backbone_trainable(model: nn.Module, trainable: bool) -> None:
 class Metrics:
     """metrics.csv and curves.png, rewritten atomically after every epoch (rank 0 only)."""
 
-    FIELDS = ["epoch", "train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_s", "seconds"]
+    FIELDS = ["epoch", "train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_s", "seconds",
+              "data_wait", "peak_mem_gb"]
 
     def __init__(self, run_dir: Path, rows: list[dict]):
         self.path = run_dir / "metrics.csv"
@@ -270,7 +271,7 @@ class Trainer:
         np.random.seed(cfg.seed + self.ddp.rank)
         precision = cfg.precision if cfg.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
         self.precision = precision
-        autocast(self.device, precision)  # validates the choice early
+        check_precision(self.device, precision)  # fail early
 
         self.splits: DatasetSplits = find_dataset(cfg.data, cfg.val_split, cfg.seed)
         if not self.splits.val:
@@ -446,7 +447,8 @@ class Trainer:
         skip = self.step_in_epoch * cfg.accum_steps
         # run the loader to its end when uncapped, so that it reports the images it had to skip
         stop = self.batches_per_epoch if self.batches_per_epoch < len(self.train_loader) else None
-        batches = islice(self.train_loader, skip, stop)
+        self.data_wait = [0.0]
+        batches = _timed(islice(self.train_loader, skip, stop), self.data_wait)
         loss_sum, seen, t0 = 0.0, 0, time.perf_counter()
         task = progress.add_task(f"epoch {epoch + 1}/{cfg.epochs}", total=self.steps_per_epoch,
                                  completed=self.step_in_epoch, info="")
@@ -458,7 +460,7 @@ class Trainer:
             last_micro = (i + 1) % cfg.accum_steps == 0
             sync = last_micro or not self.ddp.enabled
             ctx = self.net.no_sync() if not sync and hasattr(self.net, "no_sync") else contextlib.nullcontext()
-            with ctx, autocast(self.device, self.precision):
+            with ctx, compute_context(self.device, self.precision):
                 loss = self.train_loss_fn(self.net(images), targets)
             if not torch.isfinite(loss):
                 raise VitftError(f"loss became {loss.item()} at epoch {epoch + 1} step {i}; lower --lr or use "
@@ -506,7 +508,7 @@ class Trainer:
         k = min(5, len(self.classes))
         for images, targets in self.val_loader:
             images, targets = images.to(self.device), targets.to(self.device)
-            with autocast(self.device, self.precision):
+            with compute_context(self.device, self.precision):
                 logits = model(images)
             loss_sum += F.cross_entropy(logits.float(), targets, reduction="sum").item()
             topk = logits.topk(k, dim=1).indices
@@ -535,7 +537,9 @@ class Trainer:
                 seconds = time.perf_counter() - t0
                 row = {"epoch": self.epoch + 1, "train_loss": round(train_loss, 5),
                        "lr": self.optimizer.param_groups[-1]["lr"], "images_per_s": round(seen / seconds, 1),
-                       "seconds": round(seconds, 1)}
+                       "seconds": round(seconds, 1), "data_wait": round(self.data_wait[0] / seconds, 4)}
+                if self.device.type == "cuda":
+                    row["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
                 candidates = [(self.model, self.validate(self.net if not cfg.compile else self.model))]
                 if self.ema is not None:
                     candidates.append((self.ema.module, self.validate(self.ema.module)))
@@ -567,6 +571,19 @@ class Trainer:
         log.info("epoch %d/%d: train loss %.4f | val loss %.4f top-1 %.1f%%%s%s | %.0f img/s, %.0fs",
                  row["epoch"], self.cfg.epochs, row["train_loss"], row["val_loss"], 100 * row["val_top1"], top5, ema,
                  row["images_per_s"], row["seconds"])
+
+
+def _timed(batches, clock: list[float]):
+    """Yield from `batches`, adding the seconds spent waiting for each batch to clock[0]."""
+    iterator = iter(batches)
+    while True:
+        start = time.perf_counter()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        clock[0] += time.perf_counter() - start
+        yield batch
 
 
 def _progress(quiet: bool, enabled: bool):
