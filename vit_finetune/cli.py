@@ -166,7 +166,7 @@ def finetune_cmd(
 @command("demo")
 def demo_cmd(
     output: Path = typer.Option(Path("vitft-demo"), help="Folder for the generated data, the run and the export."),
-    epochs: int = typer.Option(8, help="Training epochs."),
+    epochs: int = typer.Option(10, help="Training epochs."),
 ):
     """Offline end-to-end demo: generate images, fine-tune a tiny ViT on the CPU, evaluate, export."""
     from .demo import demo

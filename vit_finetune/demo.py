@@ -26,12 +26,12 @@ def _pattern(kind: str, rng: np.random.Generator, size: int = 64) -> np.ndarray:
         mask = np.sin(2 * np.pi * freq * xx + phase) > 0
     else:
         mask = np.sin(2 * np.pi * freq * xx + phase) * np.sin(2 * np.pi * freq * yy + phase) > 0.3
-    fg, bg = rng.integers(0, 256, 3), rng.integers(0, 256, 3)
+    fg, bg = rng.integers(140, 256, 3), rng.integers(0, 110, 3)  # light pattern on a dark ground
     image = np.where(mask[..., None], fg, bg) + rng.normal(0, 20, (size, size, 3))
     return np.clip(image, 0, 255).astype(np.uint8)
 
 
-def make_demo_data(folder: Union[str, Path], per_class: int = 80, seed: int = 0) -> Path:
+def make_demo_data(folder: Union[str, Path], per_class: int = 150, seed: int = 0) -> Path:
     """A folder of class folders with `per_class` generated JPEGs each."""
     folder = Path(folder)
     rng = np.random.default_rng(seed)
@@ -42,7 +42,7 @@ def make_demo_data(folder: Union[str, Path], per_class: int = 80, seed: int = 0)
     return folder
 
 
-def demo(output: Union[str, Path] = "vitft-demo", epochs: int = 8, seed: int = 0) -> dict[str, Path]:
+def demo(output: Union[str, Path] = "vitft-demo", epochs: int = 10, seed: int = 0) -> dict[str, Path]:
     """Generate data, fine-tune a tiny ViT on the CPU, evaluate it and export it; returns the paths."""
     from .evaluate import evaluate
     from .hub import export
@@ -50,7 +50,7 @@ def demo(output: Union[str, Path] = "vitft-demo", epochs: int = 8, seed: int = 0
 
     output = Path(output)
     data = make_demo_data(output / "data", seed=seed)
-    log.info("demo data: %s (%d classes x 80 generated images)", data, len(CLASSES))
+    log.info("demo data: %s (%d classes x 150 generated images)", data, len(CLASSES))
     run = finetune(data=str(data), pretrained="none", model="vit_tiny_patch16_224", model_kwargs=DEMO_MODEL,
                    epochs=epochs, batch_size=32, lr=0.03, warmup_epochs=1, val_split=0.25, drop_path=0.0,
                    scale=(0.5, 1.0), workers=0, device="cpu", seed=seed, output=str(output / "run"),
