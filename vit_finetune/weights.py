@@ -70,22 +70,29 @@ def _timm_cfg(arch: str, tag: Optional[str]) -> dict:
 
 def _hub_download(repo_id: str, filenames: tuple[str, ...], revision: Optional[str] = None) -> Path:
     """The first of `filenames` that the repo has, through the HF cache (honours HF_HOME, HF_HUB_OFFLINE...)."""
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
 
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
     missing, not_cached = [], None
-    for filename in filenames:
+    for i, filename in enumerate(filenames):
         try:
             return Path(hf_hub_download(repo_id, filename, revision=revision))
         except LocalEntryNotFoundError as err:  # a subclass of EntryNotFoundError: test it first
             not_cached = not_cached or err  # the next filename may still be in the cache
             missing.append(filename)
+            if not offline:  # the Hub is unreachable: look for the other files in the cache only, no retries
+                for other in filenames[i + 1:]:
+                    cached = try_to_load_from_cache(repo_id, other, revision=revision)
+                    if isinstance(cached, str):
+                        return Path(cached)
+                    missing.append(other)
+                break
         except EntryNotFoundError:
             missing.append(filename)
         except RepositoryNotFoundError as err:
             raise VitftError(f"Hub repo {repo_id!r} not found (or private: set HF_TOKEN)") from err
     if not_cached is not None:
-        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
         why = "HF_HUB_OFFLINE is set" if offline else "the Hub could not be reached"
         raise VitftError(
             f"{repo_id}/{' or '.join(missing)} is not in the local HF cache and {why}; download it once with "
