@@ -195,3 +195,17 @@ def test_recipe_and_flags_merge(small_intel, tiny_model_dir, tmp_path):
     saved = json.loads((out / "train_config.json").read_text())
     assert saved["epochs"] == 1 and saved["batch_size"] == 24 and saved["max_steps_per_epoch"] == 2
     assert TINY["img_size"] == create_model(f"local-dir:{out}", pretrained=True).patch_embed.img_size[0]
+
+
+def test_ema_mixup_accumulation_bf16_and_unfreeze_work_together(small_intel, tiny_model_dir, tmp_path, caplog):
+    caplog.set_level("INFO", logger="vitft")
+    result = finetune(data=str(small_intel), pretrained=str(tiny_model_dir), output=str(tmp_path / "combo"),
+                      ema=True, ema_decay=0.99, mixup=0.2, cutmix=1.0, accum_steps=2, precision="bf16",
+                      freeze_backbone=True, unfreeze_after=1, max_steps_per_epoch=3,
+                      **dict(QUICK, epochs=2, batch_size=8))
+    assert result.epochs_done == 2
+    state = torch.load(tmp_path / "combo" / CHECKPOINT, weights_only=False)
+    assert state["global_step"] == 6 and state["ema"] is not None
+    assert any("unfreezing the backbone" in r.getMessage() for r in caplog.records)
+    before = create_model(f"local-dir:{tiny_model_dir}", pretrained=True).state_dict()
+    assert not torch.equal(before["blocks.0.attn.qkv.weight"], state["model"]["blocks.0.attn.qkv.weight"])
