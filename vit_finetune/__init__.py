@@ -9,3 +9,9 @@ from .train import RunResult, TrainConfig, finetune
 from .weights import create_model, load_model, save_pretrained
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "ALIASES", "EvalReport", "Prediction", "PushResult", "RunResult", "TrainConfig", "VisionTransformer",
+    "VitftError", "create_model", "evaluate", "export", "finetune", "list_archs", "load_model", "predict", "push",
+    "resize_pos_embed", "save_pretrained",
+]

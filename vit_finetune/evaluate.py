@@ -31,7 +31,7 @@ from .data import ImageDataset, build_loader, build_transforms, find_dataset, li
 from .errors import VitftError
 from .model import VisionTransformer
 from .runtime import check_precision, compute_context, resolve_device
-from .weights import TORCH_SUFFIXES, atomic_write, load_model, read_state_dict
+from .weights import TORCH_SUFFIXES, atomic_write, load_model
 
 log = logging.getLogger("vitft")
 
@@ -145,32 +145,7 @@ def _prepare_model(model: ModelLike, arch: Optional[str], img_size) -> tuple[Vis
     if isinstance(model, torch.nn.Module):
         raise VitftError(f"evaluate/predict take a vitft VisionTransformer or a model path/name, not a "
                          f"{type(model).__name__}")
-    path = Path(str(model)).expanduser()
-    # a bare weights file carries no config: size the head from the checkpoint (else the arch's 1000 classes would
-    # replace the trained head with a random one)
-    num_classes = _checkpoint_classes(path) if path.is_file() and arch else None
-    kwargs = {"num_classes": num_classes} if num_classes else {}
-    return load_model(str(model), arch=arch, img_size=img_size, **kwargs), str(model)
-
-
-def _checkpoint_classes(path: Path) -> Optional[int]:
-    """Rows of the classifier head in a weights file (timm or torchvision keys), or None."""
-    keys = ("head.weight", "module.head.weight", "heads.head.weight")
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                key = next((k for k in keys if k in f.keys()), None)
-                return int(f.get_slice(key).get_shape()[0]) if key else None
-        except Exception:  # noqa: BLE001 - load_model reports unreadable files clearly
-            return None
-    try:
-        state = read_state_dict(path)
-    except VitftError:
-        return None
-    key = next((k for k in ("head.weight", "heads.head.weight") if k in state), None)
-    return int(state[key].shape[0]) if key else None
+    return load_model(str(model), arch=arch, img_size=img_size), str(model)
 
 
 def _preprocessing(model: VisionTransformer, tta: bool) -> dict:

@@ -426,6 +426,10 @@ def load_model(source: str, arch: Optional[str] = None, **kwargs) -> VisionTrans
     if path.is_file():
         if not arch:
             raise VitftError(f"{source} is a bare weights file: pass the architecture too (--model ARCH)")
+        # no config: size the head from the file, else the arch's default head would replace the trained one
+        head = read_state_dict(path).get("head.weight")
+        if head is not None:
+            kwargs.setdefault("num_classes", head.shape[0])
         return create_model(arch, pretrained=path, **kwargs)
     if path.is_dir() or str(source).startswith(("hf-hub:", "local-dir:")):
         return create_model(str(source), pretrained=True, **kwargs)
