@@ -427,7 +427,8 @@ class Trainer:
             f"weights: {pcfg.get('source')} ({pcfg.get('architecture')}, {sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M params)",
             f"data: {cfg.data} [{self.splits.layout}]: {len(self.classes)} classes, "
             f"{len(self.splits.train)} train / {len(self.splits.val)} val images (train/val per class: {per_class})",
-            f"image size: {self.img_size[0]}x{self.img_size[1]}, patch {self.model.patch_embed.patch_size[0]}, "
+            f"image size: {self.img_size[0]}x{self.img_size[1]}, patch {self.model.patch_embed.patch_size[0]}"
+            f"{self._resize_note()}, "
             f"mean {tuple(round(m, 3) for m in pcfg.get('mean', ()))} std {tuple(round(s, 3) for s in pcfg.get('std', ()))}",
             f"device: {self.device}{f' x{self.ddp.world} processes' if self.ddp.enabled else ''}, precision {self.precision}"
             f"{', torch.compile' if cfg.compile else ''}",
@@ -436,6 +437,13 @@ class Trainer:
             f"layer decay {self.layer_decay or 'off'}; {cfg.epochs} epochs x {self.steps_per_epoch} steps, warmup {cfg.warmup_epochs}",
         ]
         return lines
+
+    def _resize_note(self) -> str:
+        old = getattr(self.model, "weights_grid", None)
+        new = self.model.patch_embed.grid_size
+        if old is None or tuple(old) == tuple(new):
+            return ""
+        return f" (position embedding resized from the weights' {old[0]}x{old[1]} grid to {new[0]}x{new[1]})"
 
     def train_epoch(self, progress) -> tuple[float, float, bool]:
         cfg, epoch = self.cfg, self.epoch

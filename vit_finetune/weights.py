@@ -321,6 +321,7 @@ def adapt_state_dict(state: dict, model: VisionTransformer, cfg: Optional[dict] 
     patch_key = "patch_embed.proj.weight"
     if patch_key in state and "pos_embed" in state:
         old_grid = _old_grid(state, model, cfg)
+        model.weights_grid = old_grid  # the patch grid the weights were trained on (reported by the trainer)
         new_patch = model.patch_embed.patch_size
         if tuple(state[patch_key].shape[-2:]) != new_patch:
             log.info("resampling patch embedding %s -> %s", tuple(state[patch_key].shape[-2:]), new_patch)
