@@ -71,13 +71,15 @@ def test_resume_continues_at_the_next_epoch(run, tmp_path):
     run_dir, _ = run
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-r", str(run_dir), str(copy)], check=True)
-    result = finetune(resume=copy, epochs=3)
+    result = finetune(resume=copy, epochs=4)
     rows = _rows(copy)
-    assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
+    assert [int(r["epoch"]) for r in rows] == [1, 2, 3, 4]
     assert rows[:2] == _rows(run_dir)[:2]
+    # the schedule is stretched to the new length: epoch 3 is no longer stuck at the old run's min_lr
+    assert float(rows[2]["lr"]) > 10 * float(rows[1]["lr"])
     state = torch.load(copy / CHECKPOINT, weights_only=False)
-    assert state["epoch"] == 3 and result.epochs_done == 3
-    assert state["global_step"] == 3 * (216 // 24)  # 216 train images, full batches only
+    assert state["epoch"] == 4 and result.epochs_done == 4
+    assert state["global_step"] == 4 * (216 // 24)  # 216 train images, full batches only
 
 
 def test_resume_of_a_finished_run_asks_for_more_epochs(run):
@@ -156,12 +158,16 @@ def test_cli_errors_are_one_line(small_intel, tiny_model_dir, tmp_path, run):
          "--model"),
         (["finetune", "--data", str(small_intel), "--pretrained", "vit_bse_patch16_224"], "did you mean"),
         (["finetune", "--data", str(small_intel), "--model-kwargs", "patch_size"], "KEY=VALUE"),
+        (["finetune", "--data", str(small_intel), "--pretrained", str(tiny_model_dir), "--output", str(small_intel),
+          "--overwrite"], "not a vitft run folder"),
+        (["finetune", "--resume", str(run[0]), "--recipe", str(REPO / "recipes" / "intel_cpu.yaml")], "--recipe"),
     ]
     for args, needle in cases:
         result = runner.invoke(app, args)
         assert result.exit_code == 2, (args, result.output)
         assert needle in result.output, (args, result.output)
         assert "Traceback" not in result.output
+    assert len(list(small_intel.rglob("*.jpg"))) == 240  # --overwrite left the data alone
 
 
 def test_recipes_are_complete_configs(tmp_path):

@@ -154,6 +154,8 @@ def finetune_cmd(
     if "model_kwargs" in flags:
         flags["model_kwargs"] = _parse_kwargs(flags["model_kwargs"])
     if resume is not None:
+        if recipe:
+            raise VitftError("--recipe is for new runs; with --resume, pass changed options as flags")
         result = finetune(resume=resume, **flags)
     else:
         config = load_recipe(recipe) if recipe else {}

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from timm.data.constants import DEFAULT_CROP_PCT, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, get_worker_info
 
 from vit_finetune.errors import VitftError
 from vit_finetune.runtime import fit_cpu_threads
@@ -460,12 +460,14 @@ def build_loader(
     if isinstance(dataset, ImageDataset):
         dataset.fill_cache()  # before the workers fork, so they share it
     _seed_transform(dataset, seed)  # workers reseed their copy in _init_worker
-    sampler = DistributedSampler(dataset, shuffle=train, seed=seed) if distributed else None
+    if distributed:
+        sampler = DistributedSampler(dataset, shuffle=train, seed=seed)
+    else:  # the shuffle gets its own generator, so an epoch's order depends on the epoch's seed alone (resume)
+        sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(seed)) if train else None
     rank = torch.distributed.get_rank() if distributed else 0  # ranks augment with different random streams
     return _Loader(
         dataset,
         batch_size=batch_size,
-        shuffle=train and sampler is None,
         sampler=sampler,
         num_workers=workers,
         pin_memory=device_type == "cuda",

@@ -280,6 +280,10 @@ class Trainer:
         if resume_state is None:
             self.model = build_model(cfg, len(self.classes))
         else:  # same architecture and hyperparameters; the weights come from the checkpoint
+            trained_on = resume_state["pretrained_cfg"].get("label_names")
+            if trained_on is not None and list(trained_on) != list(self.classes):
+                raise VitftError(f"this run was trained on classes {', '.join(trained_on)} but {cfg.data} has "
+                                 f"{', '.join(self.classes)}; resume with the same data")
             self.model = create_model(resume_state["pretrained_cfg"]["architecture"], num_classes=len(self.classes),
                                       **resume_state["model_args"])
         self.model.pretrained_cfg["label_names"] = list(self.classes)
@@ -321,11 +325,14 @@ class Trainer:
                                          self.ddp.enabled, cfg.seed)
         self.val_loader = build_loader(self.val_set, cfg.batch_size, False, cfg.workers, device_type, False,
                                        cfg.seed)
-        batches = len(self.train_loader)
+        if len(self.train_loader) < cfg.accum_steps:
+            raise VitftError(f"an epoch has {len(self.train_loader)} batches, fewer than --accum-steps "
+                             f"{cfg.accum_steps}; lower --accum-steps or --batch-size")
+        steps = len(self.train_loader) // cfg.accum_steps
         if cfg.max_steps_per_epoch:
-            batches = min(batches, cfg.max_steps_per_epoch * cfg.accum_steps)
-        self.batches_per_epoch = batches
-        self.steps_per_epoch = max(1, batches // cfg.accum_steps)
+            steps = min(steps, cfg.max_steps_per_epoch)
+        self.steps_per_epoch = steps
+        self.batches_per_epoch = steps * cfg.accum_steps  # leftover micro-batches would leak into the next step
 
     def _build_optimization(self) -> None:
         from timm.data import Mixup
@@ -379,7 +386,6 @@ class Trainer:
             "pretrained_cfg": self.model.pretrained_cfg,
             "model_args": self.model.model_args,
             "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "ema": self.ema.state_dict() if self.ema else None,
             "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
@@ -398,11 +404,12 @@ class Trainer:
         self.model.pretrained_cfg = state["pretrained_cfg"]
         self.model.model_args = state["model_args"]
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         if self.ema and state["ema"]:
             self.ema.load_state_dict(state["ema"])
         self.epoch, self.step_in_epoch, self.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
+        # the schedule is a function of the step: rebuilt from this run's options, so more --epochs extend it
+        self.scheduler.step_update(self.global_step)
         self.best_top1, self.best_epoch, self.rows = state["best_top1"], state["best_epoch"], state["rows"]
         torch.set_rng_state(state["rng"]["torch"])
         np.random.set_state(state["rng"]["numpy"])
@@ -451,7 +458,7 @@ class Trainer:
         if self.ddp.enabled:
             self.train_loader.sampler.set_epoch(epoch)
         else:
-            self.train_loader.generator.manual_seed(cfg.seed * 1000 + epoch)  # same order on resume
+            self.train_loader.sampler.generator.manual_seed(cfg.seed * 1000 + epoch)  # same order on resume
         skip = self.step_in_epoch * cfg.accum_steps
         # run the loader to its end when uncapped, so that it reports the images it had to skip
         stop = self.batches_per_epoch if self.batches_per_epoch < len(self.train_loader) else None
@@ -605,14 +612,18 @@ def _progress(quiet: bool, enabled: bool):
 
 def _prepare_run_dir(cfg: TrainConfig) -> Path:
     run_dir = Path(cfg.output) if cfg.output else _default_run_dir(cfg)
+    if int(os.environ.get("RANK", "0")) != 0:  # rank 0 alone checks and clears the folder
+        return run_dir
     if run_dir.exists() and any(run_dir.iterdir()):
         if not cfg.overwrite:
             raise VitftError(f"run folder {run_dir} already exists; pass --overwrite to replace it, "
                              f"or --resume {run_dir} to continue it")
+        if not ((run_dir / "train_config.json").is_file() or (run_dir / CHECKPOINT).is_file()):
+            raise VitftError(f"{run_dir} is not a vitft run folder: --overwrite only replaces run folders; "
+                             "pick another --output")
         import shutil
 
-        if int(os.environ.get("RANK", "0")) == 0:
-            shutil.rmtree(run_dir)
+        shutil.rmtree(run_dir)
     return run_dir
 
 

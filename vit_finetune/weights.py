@@ -381,6 +381,8 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the permissions open() would
     try:
         write(Path(tmp))
+        with open(tmp, "rb+") as f:  # on disk before the rename: a crash leaves the old file, not an empty one
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
