@@ -505,7 +505,7 @@ class Trainer:
                 self.tb.add_scalar("train/lr", lr, self.global_step)
             if cfg.save_every and self.global_step % cfg.save_every == 0:
                 self.save_checkpoint()
-            if self._stop_requested():
+            if self.step_in_epoch < self.steps_per_epoch and self._stop_requested():  # else: finish the epoch first
                 progress.remove_task(task)
                 return loss_sum / max(seen, 1), seen, True
         progress.remove_task(task)
@@ -576,6 +576,9 @@ class Trainer:
                 else:
                     self.rows.append(row)
                 self.save_checkpoint()
+                if self.epoch < cfg.epochs and self._stop_requested():  # a signal in the last step or validation
+                    interrupted = True
+                    break
         if self.tb:
             self.tb.close()
         return RunResult(self.run_dir, self.best_top1, self.best_epoch, self.epoch, interrupted, self.rows)
