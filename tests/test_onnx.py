@@ -147,6 +147,9 @@ def test_export_at_another_img_size(tiny_model_dir, tmp_path):
     assert np.abs(onnx_logits(out / "model.onnx", x) - expected).max() <= 1e-4
     assert np.abs(torch_logits(load_model(str(out)), x) - expected).max() <= 1e-5
     assert "48 x 48 (trained at 32 x 32; position embedding resized" in (out / "README.md").read_text()
+    with pytest.raises(VitftError, match="--img-size 4 is smaller than the model's patch size 8"):
+        export(tiny_model_dir, tmp_path / "too_small", img_size=4)
+    assert not (tmp_path / "too_small").exists()
 
 
 # ---- failures ---------------------------------------------------------------------------------------------------

@@ -425,6 +425,25 @@ def _install(staging: Path, out: Path) -> None:
         os.replace(item, out / item.name)
 
 
+def _check_img_size(config: dict, img_size: Optional[int]) -> None:
+    """An --img-size must hold at least one patch (checked before anything is loaded)."""
+    if img_size is None:
+        return
+    from .archs import get_arch, split_name
+    from .pos_embed import _pair
+
+    patch = _dict(config.get("model_args")).get("patch_size")
+    if patch is None:
+        try:
+            patch = get_arch(split_name(str(config.get("architecture")))[0]).kwargs.get("patch_size", 1)
+        except Exception:  # noqa: BLE001 - an unknown architecture is reported by load_model itself
+            patch = 1
+    patch = max(_pair(patch))
+    if img_size < patch:
+        raise VitftError(f"--img-size {img_size} is smaller than the model's patch size {patch}; pass a multiple "
+                         f"of {patch}")
+
+
 def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwrite: bool = False,
            repo_id: Optional[str] = None, dataset: Optional[str] = None, onnx: bool = False,
            img_size: Optional[int] = None) -> Path:
@@ -456,8 +475,9 @@ def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwri
                          "in it, or pick another folder")
     from .weights import load_model, save_pretrained
 
-    model = load_model(str(run), img_size=img_size)
     info = _run_info(run)
+    _check_img_size(info["config"], img_size)
+    model = load_model(str(run), img_size=img_size)
     staging = _staging_dir(out)
     try:
         save_pretrained(model, staging, extra_config={"vitft": _small_vitft_info(info)} if info["train"] else None,
