@@ -12,6 +12,7 @@ from typing import Callable, Optional
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.table import Table
 
 from .errors import VitftError
@@ -37,7 +38,7 @@ def command(*args, **kwargs) -> Callable:
             try:
                 return fn(*a, **kw)
             except VitftError as err:
-                console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+                console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
                 raise typer.Exit(2) from None
 
         return app.command(*args, **kwargs)(wrapper)
@@ -253,11 +254,14 @@ def export_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the exported files in a non-empty OUT_DIR."),
     repo_id: Optional[str] = typer.Option(None, "--repo-id", help="Repo the card's usage snippets name (default: a <user>/<repo> placeholder)."),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="Hub dataset id trained on, for the card's metadata."),
+    onnx: bool = typer.Option(False, "--onnx", help="Also write model.onnx (float32), checked against PyTorch with onnxruntime. Needs: pip install 'vit-finetune[onnx]'."),
+    img_size: Optional[int] = typer.Option(None, "--img-size", help="Export everything at this input size (position embedding resized). (default: the run's)"),
 ):
-    """Export a run as a Hub-ready model folder: timm format plus a model card."""
+    """Export a run as a Hub-ready model folder: timm format plus a model card (and model.onnx with --onnx)."""
     from .hub import export
 
-    out = export(run_dir, out_dir, dtype=dtype, overwrite=overwrite, repo_id=repo_id, dataset=dataset)
+    out = export(run_dir, out_dir, dtype=dtype, overwrite=overwrite, repo_id=repo_id, dataset=dataset, onnx=onnx,
+                 img_size=img_size)
     typer.echo(f"exported {run_dir} to {out}")
 
 

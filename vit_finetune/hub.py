@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 from .errors import VitftError
+from .onnx_export import ONNX_FILES
 
 log = logging.getLogger("vitft")
 
 PLACEHOLDER_REPO = "<user>/<repo>"
 CARD_IMAGES = ("curves.png", "confusion_matrix.png")
 # every file `export` writes: what --overwrite replaces in an existing folder (nothing else is touched)
-EXPORT_FILES = ("config.json", "model.safetensors", "README.md", *CARD_IMAGES)
+EXPORT_FILES = ("config.json", "model.safetensors", "README.md", *CARD_IMAGES, *ONNX_FILES)
 DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16", "half": "float16",
           "bf16": "bfloat16", "bfloat16": "bfloat16"}
 TAGS = ["image-classification", "timm", "vitft", "vision-transformer"]
@@ -236,12 +237,21 @@ def _model_index(name: str, report: dict, dataset_id: Optional[str], dataset_nam
         "dataset": dataset, "metrics": metrics}]}]
 
 
+def _resized_note(config: dict, size: tuple[int, int]) -> str:
+    """For an export at another input size than the run's (--img-size): say so on the card's size line."""
+    trained = _dict(config.get("pretrained_cfg")).get("input_size")
+    if not isinstance(trained, list) or len(trained) != 3 or tuple(trained[-2:]) == tuple(size):
+        return ""
+    return f" (trained at {trained[1]} x {trained[2]}; position embedding resized for this export)"
+
+
 def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, dtype: str = "fp32",
-               dataset: Optional[str] = None, images: tuple[str, ...] = ()) -> str:
+               dataset: Optional[str] = None, images: tuple[str, ...] = (), onnx: bool = False) -> str:
     """The README.md text for a run: YAML metadata (the Hub's model card format), then the card itself.
 
     `repo_id` is the repo the card will live in (a placeholder in the usage snippets without it);
-    `model` the loaded model (read from the run when None); `images` the card images next to it.
+    `model` the loaded model (read from the run when None); `images` the card images next to it;
+    `onnx` whether a model.onnx is next to it (an onnxruntime usage snippet).
     """
     import yaml
 
@@ -290,10 +300,11 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
            "## Model details\n",
            f"- **Architecture:** `{arch}` (timm), {params:.1f} M parameters",
            f"- **Fine-tuned from:** {f'[`{base}`](https://huggingface.co/{base})' if base else 'none (random init)'}",
-           f"- **Input size:** {size[0]} x {size[1]}",
+           f"- **Input size:** {size[0]} x {size[1]}" + _resized_note(info["config"], size),
            f"- **Preprocessing:** mean {_md(cfg.get('mean', '-'))}, std {_md(cfg.get('std', '-'))}, "
            f"{cfg.get('interpolation', 'bicubic')} resize, crop_pct {cfg.get('crop_pct', '-')}",
-           f"- **Weights:** model.safetensors ({DTYPES.get(str(dtype).lower(), dtype)})",
+           f"- **Weights:** model.safetensors ({DTYPES.get(str(dtype).lower(), dtype)})"
+           + (", model.onnx (float32, verified against PyTorch)" if onnx else ""),
            f"- **License:** {meta['license']}"]
     if dataset_name:
         out.append(f"- **Dataset:** {dataset_name}")
@@ -365,6 +376,10 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
             "### vitft\n", "```bash", "pip install vit-finetune",
             f"vitft predict hf-hub:{repo} images/", "```", "", "```python", "import vit_finetune", "",
             f'model = vit_finetune.create_model("hf-hub:{repo}", pretrained=True).eval()', "```", ""]
+    if onnx:
+        from .onnx_export import onnx_usage
+
+        out += onnx_usage(repo, cfg, size, k)
     return "\n".join(out)
 
 
@@ -410,8 +425,28 @@ def _install(staging: Path, out: Path) -> None:
         os.replace(item, out / item.name)
 
 
+def _check_img_size(config: dict, img_size: Optional[int]) -> None:
+    """An --img-size must hold at least one patch (checked before anything is loaded)."""
+    if img_size is None:
+        return
+    from .archs import get_arch, split_name
+    from .pos_embed import _pair
+
+    patch = _dict(config.get("model_args")).get("patch_size")
+    if patch is None:
+        try:
+            patch = get_arch(split_name(str(config.get("architecture")))[0]).kwargs.get("patch_size", 1)
+        except Exception:  # noqa: BLE001 - an unknown architecture is reported by load_model itself
+            patch = 1
+    patch = max(_pair(patch))
+    if img_size < patch:
+        raise VitftError(f"--img-size {img_size} is smaller than the model's patch size {patch}; pass a multiple "
+                         f"of {patch}")
+
+
 def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwrite: bool = False,
-           repo_id: Optional[str] = None, dataset: Optional[str] = None) -> Path:
+           repo_id: Optional[str] = None, dataset: Optional[str] = None, onnx: bool = False,
+           img_size: Optional[int] = None) -> Path:
     """Write the folder `push` uploads: timm-format config.json + model.safetensors, README.md, images.
 
     `dtype` (fp32, fp16, bf16) is the saved weights' precision; `repo_id` the repo the card's usage
@@ -419,7 +454,15 @@ def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwri
     metadata. A non-empty `out_dir` is an error unless `overwrite`, which replaces only the files an
     export writes. Everything is written to a staging folder first: a new `out_dir` appears complete
     or not at all.
+
+    `onnx` also writes model.onnx (float32 whatever `dtype`), checked against PyTorch with onnxruntime
+    (see onnx_export); `img_size` exports everything (weights, config.json, model.onnx) at that input
+    size, the position embedding resized.
     """
+    if onnx:
+        from .onnx_export import require_onnx
+
+        require_onnx()  # before any work
     run = _check_run(run_dir)
     torch_dtype = _torch_dtype(dtype)
     out = Path(out_dir).expanduser()
@@ -432,8 +475,9 @@ def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwri
                          "in it, or pick another folder")
     from .weights import load_model, save_pretrained
 
-    model = load_model(str(run))
     info = _run_info(run)
+    _check_img_size(info["config"], img_size)
+    model = load_model(str(run), img_size=img_size)
     staging = _staging_dir(out)
     try:
         save_pretrained(model, staging, extra_config={"vitft": _small_vitft_info(info)} if info["train"] else None,
@@ -441,7 +485,11 @@ def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwri
         images = tuple(name for name in CARD_IMAGES if (run / name).is_file())
         for name in images:
             shutil.copyfile(run / name, staging / name)
-        card = model_card(run, repo_id, model=model, dtype=dtype, dataset=dataset, images=images)
+        if onnx:
+            from .onnx_export import export_onnx
+
+            export_onnx(model, staging)
+        card = model_card(run, repo_id, model=model, dtype=dtype, dataset=dataset, images=images, onnx=onnx)
         (staging / "README.md").write_text(card, encoding="utf-8")
         _plain_permissions(staging)
         _install(staging, out)
