@@ -31,7 +31,7 @@ from .data import ImageDataset, build_loader, build_transforms, find_dataset, li
 from .errors import VitftError
 from .model import VisionTransformer
 from .runtime import check_precision, compute_context, resolve_device
-from .weights import TORCH_SUFFIXES, atomic_write, load_model
+from .weights import TORCH_SUFFIXES, atomic_write, describe_weights, load_model
 
 log = logging.getLogger("vitft")
 
@@ -343,6 +343,8 @@ def evaluate(
     samples, data_classes, data_info = _eval_samples(data, split)
     present = sorted({label for _, label in samples})
     net, source = _prepare_model(model, arch, img_size)
+    for line in describe_weights(net):
+        log.info(line)
     classes, to_model, names_from = _match_classes(net, data_classes, present)
     missing = [c for c in classes if c not in {data_classes[i] for i in present}]
     if missing:

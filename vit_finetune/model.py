@@ -319,6 +319,7 @@ class VisionTransformer(nn.Module):
         self.dynamic_img_size = dynamic_img_size
         self.grad_checkpointing = False
         self.pretrained_cfg: dict = {}
+        self.load_report = None  # weights.LoadReport: what loading a checkpoint did (None: random init)
 
         self.patch_embed = PatchEmbed(
             img_size, patch_size, in_chans, embed_dim, bias=not pre_norm,

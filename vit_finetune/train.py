@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from .data import DatasetSplits, ImageDataset, build_loader, build_transforms, find_dataset
 from .errors import VitftError
 from .runtime import check_precision, compute_context, resolve_device
-from .weights import atomic_write, create_model, save_pretrained
+from .weights import atomic_write, create_model, describe_weights, save_pretrained
 
 log = logging.getLogger("vitft")
 
@@ -427,16 +427,13 @@ class Trainer:
 
     # -- loop
     def describe(self) -> list[str]:
-        cfg, pcfg = self.cfg, self.model.pretrained_cfg
+        cfg = self.cfg
         counts = self.splits.class_counts()
         per_class = ", ".join(f"{c} {counts['train'].get(c, 0)}/{counts['val'].get(c, 0)}" for c in self.classes)
         lines = [
-            f"weights: {pcfg.get('source')} ({pcfg.get('architecture')}, {sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M params)",
+            *describe_weights(self.model),
             f"data: {cfg.data} [{self.splits.layout}]: {len(self.classes)} classes, "
             f"{len(self.splits.train)} train / {len(self.splits.val)} val images (train/val per class: {per_class})",
-            f"image size: {self.img_size[0]}x{self.img_size[1]}, patch {self.model.patch_embed.patch_size[0]}"
-            f"{self._resize_note()}, "
-            f"mean {tuple(round(m, 3) for m in pcfg.get('mean', ()))} std {tuple(round(s, 3) for s in pcfg.get('std', ()))}",
             f"device: {self.device}{f' x{self.ddp.world} processes' if self.ddp.enabled else ''}, precision {self.precision}"
             f"{', torch.compile' if cfg.compile else ''}",
             f"optimizer: {cfg.opt}, effective batch {self.effective_batch} = {cfg.batch_size} x {cfg.accum_steps} accum x "
@@ -444,13 +441,6 @@ class Trainer:
             f"layer decay {self.layer_decay or 'off'}; {cfg.epochs} epochs x {self.steps_per_epoch} steps, warmup {cfg.warmup_epochs}",
         ]
         return lines
-
-    def _resize_note(self) -> str:
-        old = getattr(self.model, "weights_grid", None)
-        new = self.model.patch_embed.grid_size
-        if old is None or tuple(old) == tuple(new):
-            return ""
-        return f" (position embedding resized from the weights' {old[0]}x{old[1]} grid to {new[0]}x{new[1]})"
 
     def train_epoch(self, progress) -> tuple[float, float, bool]:
         cfg, epoch = self.cfg, self.epoch

@@ -2,9 +2,10 @@
 
 `create_model` resolves a name (architecture, alias, `hf-hub:org/repo`, `local-dir:PATH`) and
 a `pretrained` value into a hyperparameter set and, lazily, a weights file; builds the native
-model; and fits the checkpoint to it (torchvision layout conversion, patch and position
-embedding resampling, classifier re-initialisation). Anything else that does not fit is an
-error that names the keys: never a silent partial load.
+model; and fits the checkpoint to it (torchvision and transformers layout conversion, patch and
+position embedding resampling, classifier re-initialisation), recording what it did in
+`model.load_report`. Anything else that does not fit is an error that names the keys: never a
+silent partial load.
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from pathlib import Path
 from typing import Callable, Optional, Union
 
 import torch
+from timm.data.constants import DEFAULT_CROP_PCT, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
+from . import convert
 from .archs import get_arch, split_name
 from .errors import VitftError
 from .model import VisionTransformer
@@ -28,11 +31,15 @@ from .pos_embed import resize_pos_embed
 log = logging.getLogger("vitft")
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+PREPROCESSOR_FILE = "preprocessor_config.json"  # transformers' preprocessing (mean, std, size, crop)
 TORCH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
 HEAD_KEYS = ("head.weight", "head.bias")
 # pretrained_cfg entries that are about where weights were, not how to use them
 _LOCATION_KEYS = ("url", "file", "hf_hub_id", "hf_hub_filename", "source", "state_dict", "architecture")
 _MODEL_ARGS = set(inspect.signature(VisionTransformer.__init__).parameters) - {"self"}
+# config.json key for model arguments timm's VisionTransformer does not take (it has no LayerNorm eps
+# argument): vitft reads them back, timm ignores them (and builds with its own eps)
+VITFT_MODEL_ARGS = "vitft_model_args"
 
 Pretrained = Union[bool, str, os.PathLike, None]
 
@@ -114,29 +121,45 @@ def _weights_in(folder: Path) -> Path:
     raise VitftError(f"{folder} has no weights file ({' or '.join(WEIGHT_FILES)})")
 
 
-def _source_from_config(config: dict, weights: Optional[Callable[[], Path]], origin: str) -> Source:
-    """A timm-format config.json (what timm's push_to_hub and vitft write) as a Source."""
+def _source_from_config(config: dict, weights: Optional[Callable[[], Path]], origin: str,
+                        preprocessor: Optional[dict] = None) -> Source:
+    """A config.json as a Source: timm's format (what timm's push_to_hub and vitft write), or transformers'
+    (a vit, deit or dinov2 `model_type`; `preprocessor` is its preprocessor_config.json, if any)."""
+    if convert.is_transformers_config(config):
+        arch, model_args, cfg = convert.source_args(config, preprocessor, origin)
+        return Source(arch, model_args, dict(cfg, architecture=arch), weights, origin)
     if "architecture" not in config:
-        raise VitftError(f"{origin}: config.json has no 'architecture'; is this a timm/vitft model folder?")
+        raise VitftError(f"{origin}: config.json has neither 'architecture' (timm) nor 'model_type' (transformers); "
+                         "is this a model folder?")
     arch, _ = split_name(config["architecture"])
     cfg = dict(config.get("pretrained_cfg", {}), architecture=arch)
     for key in ("num_classes", "label_names"):
         if key in config:
             cfg[key] = config[key]
-    return Source(arch, dict(config.get("model_args", {})), cfg, weights, origin)
+    model_args = dict(config.get("model_args", {}), **config.get(VITFT_MODEL_ARGS, {}))
+    return Source(arch, model_args, cfg, weights, origin)
 
 
 def _folder_source(folder: Path, origin: str) -> Source:
     if not (folder / "config.json").is_file():
-        raise VitftError(f"{folder} has no config.json; pass a model folder written by vitft or timm")
-    return _source_from_config(_read_config(folder / "config.json"), lambda: _weights_in(folder), origin)
+        raise VitftError(f"{folder} has no config.json; pass a model folder written by vitft, timm or transformers")
+    config = _read_config(folder / "config.json")
+    pre = folder / PREPROCESSOR_FILE
+    preprocessor = _read_config(pre) if convert.is_transformers_config(config) and pre.is_file() else None
+    return _source_from_config(config, lambda: _weights_in(folder), origin, preprocessor)
 
 
 def _hub_source(spec: str) -> Source:
     repo_id, _, revision = spec.partition("@")
     config = _read_config(_hub_download(repo_id, ("config.json",), revision or None))
+    preprocessor = None
+    if convert.is_transformers_config(config):
+        try:
+            preprocessor = _read_config(_hub_download(repo_id, (PREPROCESSOR_FILE,), revision or None))
+        except VitftError:  # optional: without it the model's defaults apply
+            log.debug("hf-hub:%s has no %s", spec, PREPROCESSOR_FILE)
     return _source_from_config(
-        config, lambda: _hub_download(repo_id, WEIGHT_FILES, revision or None), f"hf-hub:{spec}")
+        config, lambda: _hub_download(repo_id, WEIGHT_FILES, revision or None), f"hf-hub:{spec}", preprocessor)
 
 
 def _named_source(name: str) -> Source:
@@ -179,6 +202,10 @@ def resolve(name: str, pretrained: Pretrained = False) -> Source:
         if not path.is_file():
             raise VitftError(f"weights file {spec} not found")
         source.weights, source.origin = (lambda: path), str(path)
+        keys = _checkpoint_keys(path)
+        layout = convert.detect_layout(keys)
+        if layout:  # a bare transformers file: the named architecture plus what the layout implies
+            source.model_args.update(convert.layout_args(layout, keys))
         return source
     weights_source = _named_source(spec)  # an arch.tag or alias naming other weights
     if weights_source.arch != source.arch:
@@ -235,6 +262,7 @@ def create_model(
     cfg.update(architecture=source.arch, num_classes=model.num_classes, source=source.origin,
                input_size=(3, *model.patch_embed.img_size))
     model.pretrained_cfg = cfg
+    log.debug("\n".join(describe_weights(model)))
     return model
 
 
@@ -247,6 +275,19 @@ def _default_arg(name: str):
 
 
 # ---- reading checkpoints -----------------------------------------------------------------------
+def _checkpoint_keys(path: Path) -> list[str]:
+    """The tensor names in a checkpoint (a .safetensors file's header only)."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return list(f.keys())
+        except Exception:  # noqa: BLE001 - read_state_dict reports a broken file when it is loaded
+            return []
+    return list(read_state_dict(path))
+
+
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """Tensors from a .safetensors or torch checkpoint, unwrapped from training wrappers."""
     path = Path(path)
@@ -297,6 +338,35 @@ def convert_torchvision(state: dict) -> dict:
 
 
 # ---- fitting a checkpoint to the model ------------------------------------------------------------
+@dataclass
+class LoadReport:
+    """What loading a checkpoint into a model did (`model.load_report`; see `describe_weights`)."""
+
+    layout: str = "timm"  # timm, torchvision, or transformers vit / deit / dinov2
+    new: list[str] = field(default_factory=list)  # model parameters initialised here, e.g. "head: new, 6 classes"
+    dropped: list[str] = field(default_factory=list)  # checkpoint tensors not loaded, each with why
+    resized: list[str] = field(default_factory=list)  # e.g. "position embedding 37x37 -> 16x16"
+
+
+def describe_weights(model: VisionTransformer) -> list[str]:
+    """Where the weights came from, what loading them changed, and the preprocessing in force."""
+    cfg, report = model.pretrained_cfg, model.load_report
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    if report is None:
+        lines = [f"weights: {cfg.get('source', 'random init')} ({cfg.get('architecture')}, {params:.1f}M params)"]
+    else:
+        lines = [f"weights: {cfg.get('source')} [{report.layout} layout] as {cfg.get('architecture')}, "
+                 f"{params:.1f}M params"]
+        changes = report.resized + report.new + [f"not loaded: {d}" for d in report.dropped]
+        lines.append("  " + ("; ".join(changes) if changes else "every tensor loaded as it is"))
+    h, w = model.patch_embed.img_size
+    mean = tuple(round(float(m), 3) for m in cfg.get("mean", IMAGENET_DEFAULT_MEAN))
+    std = tuple(round(float(s), 3) for s in cfg.get("std", IMAGENET_DEFAULT_STD))
+    lines.append(f"preprocessing: {h}x{w} (patch {model.patch_embed.patch_size[0]}), mean {mean} std {std}, "
+                 f"{cfg.get('interpolation', 'bicubic')}, crop_pct {cfg.get('crop_pct', DEFAULT_CROP_PCT)}")
+    return lines
+
+
 def _old_grid(state: dict, model: VisionTransformer, cfg: dict) -> tuple[int, int]:
     """The patch grid the checkpoint's position embedding was trained on."""
     num_prefix = 0 if model.no_embed_class else model.num_prefix_tokens
@@ -312,43 +382,62 @@ def _old_grid(state: dict, model: VisionTransformer, cfg: dict) -> tuple[int, in
     return side, side
 
 
-def adapt_state_dict(state: dict, model: VisionTransformer, cfg: Optional[dict] = None) -> dict:
-    """Fit `state` to `model`: patch and position embedding resampling, classifier drop."""
+def _grid(size) -> str:
+    return "x".join(str(s) for s in size)
+
+
+def adapt_state_dict(state: dict, model: VisionTransformer, cfg: Optional[dict] = None,
+                     report: Optional[LoadReport] = None) -> dict:
+    """Fit `state` to `model`: patch and position embedding resampling, classifier drop.
+
+    What it changes is recorded in `report` (a new one by default), which becomes `model.load_report`.
+    """
     from timm.layers import resample_patch_embed
 
     cfg = cfg or {}
+    report = report or LoadReport()
+    model.load_report = report
     state = dict(state)
     patch_key = "patch_embed.proj.weight"
     if patch_key in state and "pos_embed" in state:
         old_grid = _old_grid(state, model, cfg)
-        model.weights_grid = old_grid  # the patch grid the weights were trained on (reported by the trainer)
         new_patch = model.patch_embed.patch_size
         if tuple(state[patch_key].shape[-2:]) != new_patch:
-            log.info("resampling patch embedding %s -> %s", tuple(state[patch_key].shape[-2:]), new_patch)
+            report.resized.append(f"patch embedding {_grid(state[patch_key].shape[-2:])} -> {_grid(new_patch)}")
             state[patch_key] = resample_patch_embed(state[patch_key], list(new_patch))
         if old_grid != model.patch_embed.grid_size:
-            log.info("resizing position embedding %s -> %s", old_grid, model.patch_embed.grid_size)
+            report.resized.append(f"position embedding {_grid(old_grid)} -> {_grid(model.patch_embed.grid_size)}")
+            # transformers resizes without antialiasing (as the original DINOv2 code): do as the weights' owner
             state["pos_embed"] = resize_pos_embed(
                 state["pos_embed"], model.patch_embed.grid_size, old_grid,
-                0 if model.no_embed_class else model.num_prefix_tokens)
+                0 if model.no_embed_class else model.num_prefix_tokens,
+                antialias=not report.layout.startswith("transformers"))
     own_head = model.state_dict().get("head.weight")
     ckpt_head = state.get("head.weight")
     if ckpt_head is not None and (own_head is None or ckpt_head.shape != own_head.shape):
-        log.info("classifier head: checkpoint has %d classes, model has %d: re-initialised",
-                 ckpt_head.shape[0], model.num_classes)
+        if own_head is None:
+            report.dropped.append(f"head ({ckpt_head.shape[0]} classes; the model has none)")
+        else:
+            report.new.append(f"head: new, {model.num_classes} classes (the checkpoint's {ckpt_head.shape[0]}-class "
+                              "head re-initialised)")
         for key in HEAD_KEYS:
             state.pop(key, None)
     elif ckpt_head is None and own_head is not None:
-        log.info("checkpoint has no classifier head: a new %d-class head is initialised", model.num_classes)
+        report.new.append(f"head: new, {model.num_classes} classes")
     return state
 
 
 def load_weights(model: VisionTransformer, path: Path, cfg: Optional[dict] = None) -> None:
     """Load a checkpoint file into `model`, converting and adapting it; clear errors on any mismatch."""
     state = read_state_dict(path)
+    report = LoadReport()
+    transformers_layout = convert.detect_layout(state)
     if is_torchvision(state):
-        state = convert_torchvision(state)
-    state = adapt_state_dict(state, model, cfg)
+        state, report.layout = convert_torchvision(state), "torchvision"
+    elif transformers_layout:
+        state, report.dropped = convert.convert_state_dict(state, transformers_layout)
+        report.layout = f"transformers {transformers_layout}"
+    state = adapt_state_dict(state, model, cfg, report)
     own = model.state_dict()
     head_missing = [k for k in HEAD_KEYS if k in own and k not in state]
     missing = [k for k in own if k not in state and k not in head_missing]
@@ -402,11 +491,20 @@ def model_config(model: VisionTransformer, extra: Optional[dict] = None) -> dict
     if label_names:
         config["label_names"] = list(label_names)
     model_args = {k: _plain(v) for k, v in getattr(model, "model_args", {}).items()}
+    vitft_only = {k: model_args.pop(k) for k in list(model_args) if k not in _timm_model_args()}
     if model_args:
         config["model_args"] = model_args
+    if vitft_only:
+        config[VITFT_MODEL_ARGS] = vitft_only
     config["pretrained_cfg"] = {k: _plain(v) for k, v in cfg.items()}
     config.update(extra or {})
     return config
+
+
+def _timm_model_args() -> set[str]:
+    from timm.models.vision_transformer import VisionTransformer as TimmVisionTransformer
+
+    return set(inspect.signature(TimmVisionTransformer.__init__).parameters)
 
 
 def save_pretrained(model: VisionTransformer, folder: Union[str, Path], extra_config: Optional[dict] = None,
