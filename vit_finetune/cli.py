@@ -215,12 +215,14 @@ def evaluate_cmd(
     device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
     precision: str = typer.Option("fp32", help="fp32, bf16 or fp16."),
     output: Optional[str] = typer.Option(None, help="Folder for report.json and friends. (default: the run folder, else ./eval-<model>)"),
+    explain: bool = typer.Option(False, "--explain", help="Overlay attention-rollout heat maps on mistakes.png (see `vitft explain`)."),
 ):
     """Evaluate a model on labelled images: metrics, per-class table, confusion matrix, mistakes."""
     from .evaluate import evaluate_command
 
     evaluate_command(model, data, split=split, arch=arch, pretrained=pretrained, img_size=img_size, tta=tta,
-                     batch_size=batch_size, workers=workers, device=device, precision=precision, output=output)
+                     batch_size=batch_size, workers=workers, device=device, precision=precision, output=output,
+                     explain="rollout" if explain else None)
 
 
 @command("predict")
@@ -245,6 +247,28 @@ def predict_cmd(
     predict_command(model, inputs, arch=arch, pretrained=pretrained, top_k=top_k, fmt=fmt, output=output,
                     batch_size=batch_size, workers=workers, device=device, precision=precision,
                     img_size=img_size, tta=tta)
+
+
+@command("explain")
+def explain_cmd(
+    model: str = typer.Argument(..., help="Run or model folder, weights file (with --model), hf-hub:org/repo, or a timm name (with --pretrained)."),
+    images: list[str] = typer.Argument(..., help="Image files, folders (searched recursively) or globs."),
+    output: str = typer.Option(..., "--output", help="Folder for one PNG per image and index.html."),
+    method: str = typer.Option("rollout", help="rollout (attention rollout), attention (last block) or gradcam (gradient-weighted, per class)."),
+    target: Optional[str] = typer.Option(None, help="With --method gradcam: the label to explain. (default: the prediction)"),
+    arch: Optional[str] = typer.Option(None, "--model", help="Architecture of a bare weights file."),
+    pretrained: bool = typer.Option(False, "--pretrained", help="MODEL is a timm name: use its pretrained weights."),
+    top_k: int = typer.Option(3, help="Labels shown per image."),
+    img_size: Optional[int] = typer.Option(None, help="Run at this resolution (position embedding resized)."),
+    batch_size: int = typer.Option(16, help="Images per batch."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
+    precision: str = typer.Option("fp32", help="fp32, bf16 or fp16."),
+):
+    """Show where the model looked: a heat map over each image, with its top labels."""
+    from .explain import explain_command
+
+    explain_command(model, images, output, method=method, target=target, arch=arch, pretrained=pretrained,
+                    top_k=top_k, img_size=img_size, batch_size=batch_size, device=device, precision=precision)
 # <hub-commands>
 @command("export")
 def export_cmd(

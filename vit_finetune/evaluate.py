@@ -331,6 +331,7 @@ def evaluate(
     output: Union[str, os.PathLike, None] = None,
     arch: Optional[str] = None,
     progress: Optional[ProgressFn] = None,
+    explain: Optional[str] = None,
 ) -> EvalReport:
     """Evaluate a classifier on a labelled dataset (any layout `finetune` accepts).
 
@@ -338,8 +339,14 @@ def evaluate(
     weights), or a built VisionTransformer. `split`: train, val or test (default: test if present, else val); a
     single folder of class folders is evaluated whole. With `output`, report.json, predictions.csv,
     confusion_matrix.png and mistakes.png are written there (atomically); without it nothing is written.
+    `explain`: rollout, attention or gradcam (explain.py): mistakes.png shows that heat map on each image.
     """
     dev = _check_args(batch_size, device, precision)
+    if explain is not None:
+        from .explain import METHODS
+
+        if explain not in METHODS:
+            raise VitftError(f"unknown explain method {explain!r}; use one of {', '.join(METHODS)}")
     samples, data_classes, data_info = _eval_samples(data, split)
     present = sorted({label for _, label in samples})
     net, source = _prepare_model(model, arch, img_size)
@@ -386,12 +393,17 @@ def evaluate(
         predictions=predictions,
     )
     if output is not None:
-        write_report(report, output)
+        heatmaps = _mistake_heatmaps(net, predictions, explain, dev, precision) if explain else None
+        write_report(report, output, heatmaps)
     return report
 
 
-def write_report(report: EvalReport, folder: Union[str, os.PathLike]) -> Path:
-    """report.json, predictions.csv, confusion_matrix.png and mistakes.png in `folder`, each written atomically."""
+def write_report(report: EvalReport, folder: Union[str, os.PathLike],
+                 heatmaps: Optional[dict[str, np.ndarray]] = None) -> Path:
+    """report.json, predictions.csv, confusion_matrix.png and mistakes.png in `folder`, each written atomically.
+
+    `heatmaps` (image path -> heat map at the image's size) are overlaid on the images of mistakes.png.
+    """
     folder = Path(folder).expanduser()
 
     def write_csv(tmp: Path) -> None:
@@ -403,7 +415,7 @@ def write_report(report: EvalReport, folder: Union[str, os.PathLike]) -> Path:
 
     atomic_write(folder / "predictions.csv", write_csv)
     _save_figure(_confusion_figure(report), folder / "confusion_matrix.png")
-    _save_figure(_mistakes_figure(report.predictions), folder / "mistakes.png")
+    _save_figure(_mistakes_figure(report.predictions, heatmaps=heatmaps), folder / "mistakes.png")
     text = json.dumps(report.to_dict(), indent=2) + "\n"
     atomic_write(folder / "report.json", lambda tmp: tmp.write_text(text, encoding="utf-8"))
     report.output = folder
@@ -453,11 +465,37 @@ def _thumbnail(path: str, side: int) -> np.ndarray:
                       interpolation=cv2.INTER_AREA if scale < 1 else cv2.INTER_LINEAR)
 
 
-def _mistakes_figure(predictions: list[dict], n: int = N_MISTAKES):
+def _shown_mistakes(predictions: list[dict], n: int = N_MISTAKES) -> list[dict]:
+    """The mistakes mistakes.png shows: the n most confident."""
+    wrong = [p for p in predictions if p["true_label"] != p["predicted_label"]]
+    return sorted(wrong, key=lambda p: -p["confidence"])[:n]
+
+
+def _mistake_heatmaps(model: VisionTransformer, predictions: list[dict], method: str, device: torch.device,
+                      precision: str) -> dict[str, np.ndarray]:
+    """Heat maps (explain.py's `method`) of the images mistakes.png shows, by path."""
+    from .explain import explain
+
+    shown = [p["path"] for p in _shown_mistakes(predictions)]
+    if not shown:
+        return {}
+    results = explain(model, shown, method=method, device=str(device), precision=precision)
+    return {r.path: r.heatmap for r in results if r.heatmap is not None}
+
+
+def _with_heatmap(thumb: np.ndarray, heatmap: np.ndarray) -> np.ndarray:
+    import cv2
+
+    from .explain import overlay
+
+    return overlay(thumb, cv2.resize(heatmap, (thumb.shape[1], thumb.shape[0]), interpolation=cv2.INTER_AREA))
+
+
+def _mistakes_figure(predictions: list[dict], n: int = N_MISTAKES,
+                     heatmaps: Optional[dict[str, np.ndarray]] = None):
     from matplotlib.figure import Figure
 
-    wrong = [p for p in predictions if p["true_label"] != p["predicted_label"]]
-    wrong = sorted(wrong, key=lambda p: -p["confidence"])[:n]
+    wrong = _shown_mistakes(predictions, n)
     if not wrong:
         fig = Figure(figsize=(4, 2))
         fig.text(0.5, 0.5, "no mistakes", ha="center", va="center", fontsize=14)
@@ -472,7 +510,10 @@ def _mistakes_figure(predictions: list[dict], n: int = N_MISTAKES):
     for i, p in enumerate(wrong):
         ax = fig.add_subplot(rows, cols, i + 1)
         try:
-            ax.imshow(_thumbnail(p["path"], THUMB_PX), interpolation="nearest")  # pre-sized: cheap to draw
+            thumb = _thumbnail(p["path"], THUMB_PX)
+            if heatmaps and p["path"] in heatmaps:
+                thumb = _with_heatmap(thumb, heatmaps[p["path"]])
+            ax.imshow(thumb, interpolation="nearest")  # pre-sized: cheap to draw
         except Exception:  # noqa: BLE001 - the file changed since: show the labels anyway
             ax.text(0.5, 0.5, "(unreadable)", ha="center", va="center")
         name = Path(p["path"]).name
@@ -702,13 +743,15 @@ def print_report(report: EvalReport, console=None) -> None:
 def evaluate_command(model: str, data: str, split: Optional[str] = None, arch: Optional[str] = None,
                      pretrained: bool = False, img_size: Optional[int] = None, tta: bool = False,
                      batch_size: int = 64, workers: Optional[int] = None, device: str = "auto",
-                     precision: str = "fp32", output: Optional[str] = None) -> EvalReport:
+                     precision: str = "fp32", output: Optional[str] = None,
+                     explain: Optional[str] = None) -> EvalReport:
     """`vitft evaluate`: evaluate, write the files, print the report."""
     _check_model_arg(model, arch, pretrained)
     out = Path(output).expanduser() if output else default_output(model)
     with _ProgressBar("evaluating") as bar:
         report = evaluate(model, data, split=split, img_size=img_size, tta=tta, batch_size=batch_size,
-                          workers=workers, device=device, precision=precision, output=out, arch=arch, progress=bar)
+                          workers=workers, device=device, precision=precision, output=out, arch=arch, progress=bar,
+                          explain=explain)
     print_report(report)
     return report
 

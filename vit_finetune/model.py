@@ -104,7 +104,13 @@ class PatchEmbed(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention: one fused qkv projection and PyTorch's SDPA kernel."""
+    """Multi-head self-attention: one fused qkv projection and PyTorch's SDPA kernel.
+
+    SDPA returns no attention weights. Setting `attn_hook` (a callable taking the (B, heads, N, N) softmax) makes
+    this layer compute softmax(q k^T / sqrt(d)) explicitly, from the same q and k, hand it to the hook and apply
+    it to v, so gradients flow through the tensor the hook saw (explain.py's gradcam needs that). With the hook
+    unset (the default), forward runs SDPA exactly as before.
+    """
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool, qk_norm: bool, scale_norm: bool,
                  proj_bias: bool, attn_drop: float, proj_drop: float, norm: Callable[[int], nn.Module]):
@@ -120,14 +126,24 @@ class Attention(nn.Module):
         self.norm = norm(dim) if scale_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
         self.proj_drop = nn.Dropout(proj_drop)
+        self.attn_hook: Optional[Callable[[torch.Tensor], None]] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, C = x.shape
         q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
-        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
+        if self.attn_hook is None:
+            x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
+        else:
+            x = self._explicit_attention(q, k, v)
         x = self.norm(x.transpose(1, 2).reshape(B, N, C))
         return self.proj_drop(self.proj(x))
+
+    def _explicit_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """What SDPA computes, written out (as timm's non-fused path), with the weights passed to attn_hook."""
+        attn = ((q * self.head_dim ** -0.5) @ k.transpose(-2, -1)).softmax(dim=-1)
+        self.attn_hook(attn)
+        return F.dropout(attn, self.attn_drop, self.training) @ v
 
 
 class Mlp(nn.Module):

@@ -1,0 +1,268 @@
+"""vitft explain: attention capture, the three heat-map methods, the PNGs and index, and evaluate --explain.
+
+The maps are checked on models whose attention is rigged through the real Attention code: q and k projections are
+zeroed except that every query is a constant vector along feature 0 and every key reads feature 0 of the normed
+token, and the position embedding gives one patch +50 and every other token -10 on feature 0. After LayerNorm that
+patch's key stands out by ~11 standard units, so every query of every head attends to it (checked, > 0.99).
+"""
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+from conftest import TINY
+from vit_finetune import create_model, evaluate, explain, save_pretrained
+from vit_finetune.cli import app
+from vit_finetune.errors import VitftError
+from vit_finetune.explain import METHODS, attention_maps, capture_attention, crop_box
+
+runner = CliRunner()
+LABELS = ["ant", "bee", "cat", "dog"]
+GRID_HW = (4, 6)  # a 32 x 48 input at patch 8: a non-square grid
+PATCH = 9  # row 1, column 3 of the grid
+MODELS = {  # every method runs on each: class token, average pooling without one, registers, both pos-embed layouts
+    "token": dict(),
+    "token+registers": dict(reg_tokens=3, no_embed_class=True),
+    "avg+registers": dict(global_pool="avg", class_token=False, reg_tokens=2),
+}
+
+
+def invoke(*args):
+    logging.getLogger("vitft").handlers.clear()  # cli binds its handler to the first CliRunner's stderr
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(**kwargs):
+    torch.manual_seed(0)
+    model = create_model("vit_tiny_patch16_224", num_classes=len(LABELS), **{**TINY, "img_size": (32, 48),
+                                                                               **kwargs})
+    model.pretrained_cfg["label_names"] = list(LABELS)
+    return model.eval()
+
+
+def rigged(patch: int = PATCH, **kwargs):
+    """A tiny model whose every attention row looks at patch `patch` (see the module docstring)."""
+    model = tiny(**kwargs)
+    dim, prefix = model.embed_dim, model.num_prefix_tokens
+    with torch.no_grad():
+        for block in model.blocks:
+            weight, bias, head_dim = block.attn.qkv.weight, block.attn.qkv.bias, block.attn.head_dim
+            weight[: 2 * dim] = 0.0
+            bias[: 2 * dim] = 0.0
+            for h in range(block.attn.num_heads):
+                bias[h * head_dim] = 10.0  # query of head h: 10 on its first feature, for every token
+                weight[dim + h * head_dim, 0] = 10.0  # key of head h: 10 * feature 0 of the normed token
+        model.pos_embed[..., 0] = -10.0
+        model.pos_embed[0, (0 if model.no_embed_class else prefix) + patch, 0] = 50.0
+    model.pretrained_cfg["crop_pct"] = 1.0  # the model sees the whole image: pixel positions map exactly
+    return model
+
+
+def save_image(path: Path, hw: tuple[int, int], seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (*hw, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_rigged_attention_is_what_the_model_computes(kind):
+    model = rigged(**MODELS[kind])
+    with capture_attention(model, lambda a: a) as kept, torch.no_grad():
+        model(torch.randn(2, 3, 32, 48))
+    assert len(kept) == len(model.blocks)
+    for attn in kept:
+        assert attn.shape == (2, model.blocks[0].attn.num_heads, model.num_prefix_tokens + 24,
+                              model.num_prefix_tokens + 24)
+        assert attn[..., model.num_prefix_tokens + PATCH].min() > 0.99
+
+
+@pytest.mark.parametrize("kind", MODELS)
+@pytest.mark.parametrize("method", ["rollout", "attention"])
+def test_map_peaks_at_the_attended_patch(kind, method, tmp_path):
+    model = rigged(**MODELS[kind])
+    images = [save_image(tmp_path / "same.png", (32, 48)), save_image(tmp_path / "double.png", (64, 96), 1)]
+    results = explain(model, images, method=method, device="cpu")
+    row, col = divmod(PATCH, GRID_HW[1])
+    for r in results:
+        assert r.grid.shape == GRID_HW
+        assert np.unravel_index(r.grid.argmax(), GRID_HW) == (row, col)
+        scale = r.heatmap.shape[0] // 32  # 8 px patches, image at 1x or 2x the input
+        y, x = np.unravel_index(r.heatmap.argmax(), r.heatmap.shape)
+        assert (y // (8 * scale), x // (8 * scale)) == (row, col)
+        assert r.heatmap.max() > 0.8  # the peak cell, bilinearly upsampled (pixel centres miss its centre)
+    if method == "attention":
+        heads = results[0].head_maps
+        assert heads.shape == (2, *GRID_HW)
+        assert all(np.unravel_index(h.argmax(), GRID_HW) == (row, col) for h in heads)
+        np.testing.assert_allclose(heads.mean(axis=0), results[0].grid, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_gradcam_peaks_at_the_attended_patch_for_each_class_it_explains(kind):
+    """Attention is ~0 off the rigged patch, so grad * attention is either positive there (the map peaks there) or
+    nowhere (an empty map, for a class that attending to the patch does not help)."""
+    model = rigged(**MODELS[kind])
+    x = torch.randn(2, 3, 32, 48)
+    explained = 0
+    for target in range(len(LABELS)):
+        _, grids, _, targets = attention_maps(model, x, "gradcam", target)
+        assert targets.tolist() == [target, target]
+        for grid in grids:
+            if grid.max() > 1e-6:
+                explained += 1
+                assert int(grid.flatten().argmax()) == PATCH
+                assert grid.flatten()[PATCH] > 0.99 * grid.sum()
+            else:
+                assert grid.abs().max() <= 1e-6
+    assert explained > 0
+
+
+@pytest.mark.parametrize("kind", [*MODELS, "qk_norm"])
+def test_capture_does_not_change_the_logits_and_is_undone(kind, tmp_path):
+    model = tiny(**MODELS.get(kind, dict(qk_norm=True)))
+    model.set_grad_checkpointing(True)
+    x = torch.randn(3, 3, 32, 48)
+    with torch.no_grad():
+        before = model(x)
+        with capture_attention(model, lambda a: a) as kept:
+            captured = model(x)
+        after = model(x)
+    assert len(kept) == len(model.blocks)
+    torch.testing.assert_close(captured, before, rtol=0, atol=1e-6)
+    assert torch.equal(after, before)  # the SDPA path is back, bit for bit
+    assert all(block.attn.attn_hook is None for block in model.blocks)
+    assert model.grad_checkpointing
+    image = save_image(tmp_path / "x.png", (40, 40))
+    for method in METHODS:  # the public function undoes its capture too, also after gradcam's backward pass
+        explain(model, image, method=method, device="cpu")
+        assert all(block.attn.attn_hook is None for block in model.blocks) and model.grad_checkpointing
+        assert all(p.grad is None for p in model.parameters())
+
+
+def test_attention_capture_sees_the_weights_sdpa_applies():
+    model = tiny(qk_norm=True)
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        attn.q_norm.weight.uniform_(0.5, 2.0)  # the captured weights must come after qk-norm
+    x = torch.randn(2, model.num_prefix_tokens + 24, model.embed_dim)
+    with capture_attention(model, lambda a: a) as kept, torch.no_grad():
+        attn(x)
+    q, k, _ = attn.qkv(x).reshape(2, -1, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    reference = torch.softmax(q @ k.transpose(-2, -1) / attn.head_dim ** 0.5, dim=-1)
+    torch.testing.assert_close(kept[0], reference, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_maps_have_the_image_size_and_cover_the_centre_crop(method, tmp_path):
+    model = tiny(img_size=32)  # square input: images are resized to 32 / crop_pct and centre-cropped
+    crop_pct = model.pretrained_cfg["crop_pct"]
+    assert crop_pct < 1
+    images = [save_image(tmp_path / "wide.png", (50, 90)), save_image(tmp_path / "tall.png", (81, 33), 1)]
+    for r in explain(model, images, method=method, device="cpu"):
+        hw = Image.open(r.path).size[::-1]
+        assert r.heatmap.shape == hw and r.heatmap.dtype == np.float32
+        top, left, bottom, right = crop_box(hw, (32, 32), crop_pct)
+        inside = np.zeros(hw, dtype=bool)
+        inside[top:bottom, left:right] = True
+        assert (r.heatmap[~inside] == 0).all() and r.heatmap[inside].max() > 0.5
+        assert 0.0 <= r.heatmap.min() and r.heatmap.max() <= 1.0
+
+
+def test_crop_box_matches_the_eval_transform():
+    """The box is where build_transforms' centre crop comes from: a marked image keeps its marks inside it."""
+    from vit_finetune.data import build_transforms
+
+    for hw, size in (((50, 90), (32, 32)), ((81, 33), (32, 32)), ((60, 60), (32, 48))):
+        top, left, bottom, right = crop_box(hw, size, 0.875)
+        image = np.zeros((*hw, 3), dtype=np.uint8)
+        image[top:bottom, left:right] = 255
+        out = build_transforms({"mean": (0, 0, 0), "std": (1, 1, 1), "crop_pct": 0.875}, size, train=False)(
+            image=image)["image"]
+        assert out.shape[-2:] == size
+        assert float(out[:, 1:-1, 1:-1].min()) > 0.9  # all of the crop is inside the box (edges: interpolation)
+
+
+def test_gradcam_target_and_input_errors(tmp_path):
+    model = tiny()
+    image = save_image(tmp_path / "x.png", (40, 40))
+    (tmp_path / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
+    results = explain(model, [image, tmp_path / "broken.jpg"], method="gradcam", target="cat", device="cpu")
+    assert [Path(r.path).name for r in results] == ["broken.jpg", "x.png"]
+    assert results[0].error and results[0].heatmap is None
+    assert results[1].target == "cat" and results[1].error is None
+    with pytest.raises(VitftError, match="not one of the model's classes"):
+        explain(model, image, method="gradcam", target="cow", device="cpu")
+    with pytest.raises(VitftError, match="applies to --method gradcam"):
+        explain(model, image, method="rollout", target="cat", device="cpu")
+    with pytest.raises(VitftError, match="unknown --method 'lrp'"):
+        explain(model, image, method="lrp", device="cpu")
+
+
+def test_cli_writes_one_png_per_image_and_the_index(tmp_path):
+    folder = save_pretrained(tiny(**MODELS["avg+registers"]), tmp_path / "model")
+    images = tmp_path / "images"
+    (images / "sub").mkdir(parents=True)
+    save_image(images / "a.png", (48, 64))
+    save_image(images / "sub" / "a.png", (64, 48), 1)  # the same name in another folder
+    save_image(images / "c.jpg", (30, 30), 2)
+    result = invoke("explain", folder, images, "--output", tmp_path / "out", "--method", "gradcam",
+                    "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    pngs = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
+    assert pngs == ["0000-a.png", "0001-c.png", "0002-a.png"]
+    for name in pngs:
+        with Image.open(tmp_path / "out" / name) as im:
+            assert im.size[0] > 300 and im.size[1] > 150
+    index = (tmp_path / "out" / "index.html").read_text()
+    assert re.findall(r'<img src="([^"]+)"', index) == pngs
+    assert str(images / "sub" / "a.png") in index and "%" in index
+    assert "wrote 3 heat map(s) (gradcam) and index.html" in result.output
+    bad = invoke("explain", folder, images, "--output", tmp_path / "out2", "--method", "nope")
+    assert bad.exit_code == 2 and "unknown --method 'nope'" in bad.output
+
+
+def test_evaluate_explain_overlays_the_mistakes(tmp_path):
+    data = tmp_path / "data"
+    for c, name in enumerate(LABELS):
+        (data / name).mkdir(parents=True)
+        for i in range(3):
+            save_image(data / name / f"{i}.png", (40, 56), seed=10 * c + i)
+    folder = save_pretrained(tiny(img_size=32), tmp_path / "model")
+    plain = evaluate(folder, data, device="cpu", workers=0, output=tmp_path / "plain")
+    assert plain.accuracy < 1.0  # a random model: there are mistakes to show
+    result = invoke("evaluate", folder, "--data", data, "--device", "cpu", "--workers", 0, "--output",
+                    tmp_path / "explained", "--explain")
+    assert result.exit_code == 0, result.output
+    with Image.open(tmp_path / "plain" / "mistakes.png") as a, Image.open(tmp_path / "explained" / "mistakes.png") as b:
+        a, b = np.asarray(a.convert("RGB")), np.asarray(b.convert("RGB"))
+    assert a.shape == b.shape
+    changed = np.abs(a.astype(int) - b).sum(axis=-1) > 30
+    assert 0.05 < changed.mean() < 0.9  # the thumbnails are tinted, the titles are not
+    with pytest.raises(VitftError, match="unknown explain method"):
+        evaluate(folder, data, device="cpu", workers=0, explain="saliency")
+
+
+def test_pooling_without_a_readout_row(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("vitft"), "propagate", True)  # the CLI tests turn it off
+    image = save_image(tmp_path / "x.png", (40, 40))
+    with caplog.at_level(logging.WARNING, logger="vitft"):
+        (result,) = explain(tiny(global_pool="map"), image, device="cpu")
+    assert result.heatmap.shape == (40, 40) and "pooling attention is not captured" in caplog.text
+    with pytest.raises(VitftError, match="no pooling"):
+        explain(tiny(global_pool=""), image, device="cpu")

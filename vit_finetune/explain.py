@@ -1,0 +1,402 @@
+"""Where the model looked: attention heat maps of a ViT's predictions.
+
+Every method reads the attention weights that the native `Attention` hands to its `attn_hook` (model.py), and then
+reads the rows of the tokens the classifier pools: the class token's row for global_pool='token', the mean of the
+pooled rows for average/max pooling (the patch rows, or every row with pool_include_prefix). Only the patch columns
+make the map; prefix tokens (class, registers: `model.num_prefix_tokens` of them) are dropped.
+
+- rollout (default): attention rollout (Abnar and Zuidema, "Quantifying Attention Flow in Transformers", ACL 2020):
+  per layer, the heads' mean attention plus the identity (the residual), rows renormalised, multiplied through the
+  layers.
+- attention: the last block's attention, per head (`Explanation.head_maps`) and averaged.
+- gradcam: gradient-weighted attention rollout for one class (Chefer, Gur and Wolf, "Generic Attention-model
+  Explainability for Interpreting Bi-Modal and Encoder-Decoder Transformers", ICCV 2021, eqs. 5-6): per layer
+  A_bar = mean over heads of (dlogit/dA * A) clamped at 0, and R <- R + A_bar @ R from R = I; the rows are read
+  from R - I (what flowed through attention; with average pooling the identity would add a uniform 1/N). Sharper
+  than rollout where rollout is diffuse, and specific to the class explained (the prediction, or `target`).
+
+The model sees the centre crop that `predict` uses; the map is pasted over that crop at the image's size, and is 0
+where the model did not look at all (outside the crop).
+"""
+from __future__ import annotations
+
+import html
+import logging
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import numpy as np
+import torch
+from timm.data.constants import DEFAULT_CROP_PCT
+
+from .data import build_transforms, list_images, load_rgb
+from .errors import VitftError
+from .evaluate import ModelLike, ProgressFn, _check_args, _check_model_arg, _prepare_model, _ProgressBar
+from .model import VisionTransformer
+from .runtime import compute_context
+from .weights import atomic_write
+
+log = logging.getLogger("vitft")
+
+METHODS = ("rollout", "attention", "gradcam")
+DISPLAY_PX = 448  # longer side of each panel in the per-image PNGs
+
+
+@dataclass
+class Explanation:
+    """One image's prediction and heat map. `error` says why the file could not be read (everything else empty)."""
+
+    path: str
+    labels: list[str]  # top-k, most probable first
+    probs: list[float]
+    method: str
+    target: Optional[str] = None  # the class gradcam explains (rollout and attention do not depend on the class)
+    heatmap: Optional[np.ndarray] = None  # (H, W) float32 in [0, 1] at the image's size; 0 outside the crop seen
+    grid: Optional[np.ndarray] = None  # (grid_h, grid_w) float32: the relevance of each patch, unnormalised
+    head_maps: Optional[np.ndarray] = None  # (heads, grid_h, grid_w): per-head maps of method 'attention'
+    figure: Optional[Path] = None  # the PNG written (with `output`)
+    error: Optional[str] = None
+
+
+# ----------------------------------------------------------------------------- attention maps
+
+
+@contextmanager
+def capture_attention(model: VisionTransformer, keep: Callable[[torch.Tensor], torch.Tensor]
+                      ) -> Iterator[list[torch.Tensor]]:
+    """A list that receives `keep(attention)` of every block, in order, for each forward pass run in the block.
+
+    Grad checkpointing is off meanwhile (a recomputed forward would report its attention twice).
+    """
+    layers = [block.attn for block in model.blocks]
+    if any(layer.attn_hook is not None for layer in layers):
+        raise VitftError("the model's attention is already being captured (explain is not reentrant)")
+    kept: list[torch.Tensor] = []
+    checkpointing = model.grad_checkpointing
+    model.grad_checkpointing = False
+    for layer in layers:
+        layer.attn_hook = lambda attn: kept.append(keep(attn))
+    try:
+        yield kept
+    finally:
+        for layer in layers:
+            layer.attn_hook = None
+        model.grad_checkpointing = checkpointing
+
+
+def _readout(matrix: torch.Tensor, model: VisionTransformer) -> torch.Tensor:
+    """(..., N, N) -> (..., N): the row of what the classifier pools (class token, or the mean of pooled rows)."""
+    if model.global_pool == "token":
+        return matrix[..., 0, :]
+    start = 0 if model.pool_include_prefix else model.num_prefix_tokens
+    return matrix[..., start:, :].mean(dim=-2)
+
+
+def _check_pooling(model: VisionTransformer) -> None:
+    if not model.global_pool:
+        raise VitftError("the model has no pooling (global_pool=''): it is not an image classifier to explain")
+    if model.global_pool == "map":
+        log.warning("the model pools with attention ('map'): its pooling attention is not captured; the maps "
+                    "read the mean of the patch rows instead")
+
+
+def attention_maps(model: VisionTransformer, x: torch.Tensor, method: str, target: Optional[int] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """(logits (B, K), grids (B, gh, gw), per-head grids (B, heads, gh, gw) or None, targets (B,)) for a batch.
+
+    `x` is the preprocessed batch; the model must be in eval mode. `target`: the class index gradcam explains
+    (default: each image's prediction).
+    """
+    if method not in METHODS:
+        raise VitftError(f"unknown explain method {method!r}; use one of {', '.join(METHODS)}")
+    prefix = model.num_prefix_tokens
+    ph, pw = model.patch_embed.patch_size
+    grid_h, grid_w = x.shape[-2] // ph, x.shape[-1] // pw
+    keep = {"rollout": lambda a: a.float().mean(dim=1),  # only the heads' mean is needed: B x N x N per layer
+            "attention": lambda a: _readout(a.float(), model),  # B x heads x N per layer
+            "gradcam": lambda a: a}[method]  # the tensor in the graph, for its gradient
+    with capture_attention(model, keep) as kept, torch.enable_grad() if method == "gradcam" else torch.no_grad():
+        if method == "gradcam":
+            x = x.detach().requires_grad_(True)  # puts the attention in the graph even if every weight is frozen
+        logits = model(x)
+        targets = logits.argmax(dim=1) if target is None else torch.full_like(logits[:, 0], target, dtype=torch.long)
+        heads = None
+        if method == "rollout":
+            rows = _readout(_rollout(kept), model)
+        elif method == "attention":
+            heads = kept[-1]
+            rows = heads.mean(dim=1)
+        else:
+            score = logits.gather(1, targets[:, None]).sum()  # images are independent in eval: one backward
+            grads = torch.autograd.grad(score, kept)
+            relevance = _gradient_rollout(kept, grads)
+            rows = _readout(relevance - torch.eye(relevance.shape[-1], device=relevance.device), model)
+    if rows.shape[-1] != prefix + grid_h * grid_w:
+        raise VitftError(f"the model returned {rows.shape[-1]} tokens for a {grid_h}x{grid_w} patch grid and "
+                         f"{prefix} prefix tokens; cannot map them to the image")
+
+    def to_grid(r: torch.Tensor) -> torch.Tensor:
+        return r[..., prefix:].reshape(*r.shape[:-1], grid_h, grid_w).detach()
+
+    return logits.detach().float(), to_grid(rows), None if heads is None else to_grid(heads), targets
+
+
+def _rollout(head_means: list[torch.Tensor]) -> torch.Tensor:
+    """Abnar and Zuidema's rollout: prod over layers (last on the left) of row-normalised (A + I)."""
+    eye = torch.eye(head_means[0].shape[-1], device=head_means[0].device)
+    rollout = None
+    for attn in head_means:
+        a = attn + eye
+        a = a / a.sum(dim=-1, keepdim=True)
+        rollout = a if rollout is None else a @ rollout
+    return rollout
+
+
+def _gradient_rollout(attns: Iterable[torch.Tensor], grads: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Chefer et al. 2021: R = I; per layer R += mean_heads((grad * attn)^+) @ R."""
+    relevance = None
+    for attn, grad in zip(attns, grads):
+        cam = (grad.float() * attn.float()).clamp(min=0).mean(dim=1)
+        if relevance is None:
+            relevance = torch.eye(cam.shape[-1], device=cam.device).expand_as(cam)
+        relevance = relevance + cam @ relevance
+    return relevance
+
+
+# ----------------------------------------------------------------------------- images
+
+
+def crop_box(image_hw: tuple[int, int], model_hw: tuple[int, int], crop_pct: float) -> tuple[int, int, int, int]:
+    """(top, left, bottom, right) in image pixels of the centre crop that eval preprocessing shows the model.
+
+    Mirrors data.build_transforms(train=False): shorter side to size / crop_pct (a non-square size: both sides),
+    then a centre crop of the model's size.
+    """
+    H, W = image_hw
+    h, w = model_hw
+    sh, sw = int(h / crop_pct), int(w / crop_pct)
+    if h == w:
+        scale_y = scale_x = sh / min(H, W)
+        rh, rw = round(H * scale_y), round(W * scale_x)
+    else:
+        scale_y, scale_x, rh, rw = sh / H, sw / W, sh, sw
+    top, left = (rh - h) // 2, (rw - w) // 2
+    box = (top / scale_y, left / scale_x, (top + h) / scale_y, (left + w) / scale_x)
+    y0, x0, y1, x1 = (round(v) for v in box)
+    return max(0, y0), max(0, x0), min(H, max(y1, y0 + 1)), min(W, max(x1, x0 + 1))
+
+
+def heatmap_at_image_size(grid: np.ndarray, image_hw: tuple[int, int], model_hw: tuple[int, int],
+                          crop_pct: float) -> np.ndarray:
+    """The patch grid, min-max scaled to [0, 1], bilinearly upsampled over the crop the model saw, 0 elsewhere."""
+    import cv2
+
+    grid = np.asarray(grid, dtype=np.float32)
+    span = float(grid.max() - grid.min())
+    scaled = (grid - grid.min()) / span if span > 0 else np.zeros_like(grid)
+    top, left, bottom, right = crop_box(image_hw, model_hw, crop_pct)
+    out = np.zeros(image_hw, dtype=np.float32)
+    out[top:bottom, left:right] = cv2.resize(scaled, (right - left, bottom - top), interpolation=cv2.INTER_LINEAR)
+    return np.clip(out, 0.0, 1.0, out=out)
+
+
+def overlay(image: np.ndarray, heatmap: np.ndarray) -> np.ndarray:
+    """uint8 RGB image with the heat map (same height and width, in [0, 1]) blended on in 'jet' colours, more
+    opaque where hotter."""
+    from matplotlib import colormaps
+
+    colours = colormaps["jet"](heatmap)[..., :3]
+    alpha = (0.2 + 0.5 * heatmap)[..., None]
+    blended = (1 - alpha) * (image.astype(np.float32) / 255) + alpha * colours
+    return (np.clip(blended, 0, 1) * 255 + 0.5).astype(np.uint8)
+
+
+def _fit(array: np.ndarray, side: int, interpolation: int) -> np.ndarray:
+    import cv2
+
+    h, w = array.shape[:2]
+    scale = side / max(h, w)
+    if scale >= 1:
+        return array
+    return cv2.resize(array, (max(1, round(w * scale)), max(1, round(h * scale))), interpolation=interpolation)
+
+
+def _figure(image: np.ndarray, result: Explanation):
+    """The image, the image with its heat map, and the top labels underneath."""
+    import cv2
+    from matplotlib.figure import Figure  # the object API renders with Agg and leaves pyplot's backend alone
+
+    shown = _fit(image, DISPLAY_PX, cv2.INTER_AREA)
+    heat = cv2.resize(result.heatmap, (shown.shape[1], shown.shape[0]), interpolation=cv2.INTER_AREA)
+    panel_h = 4.0 * min(1.0, shown.shape[0] / shown.shape[1])
+    panel_w = panel_h * shown.shape[1] / shown.shape[0]
+    fig = Figure(figsize=(2 * panel_w + 0.4, panel_h + 1.2), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    left.imshow(shown)
+    right.imshow(overlay(shown, heat))
+    name = Path(result.path).name
+    left.set_title(name if len(name) <= 40 else "..." + name[-37:], fontsize=9)
+    right.set_title(result.method + (f" for {result.target}" if result.target else ""), fontsize=9)
+    for ax in (left, right):
+        ax.axis("off")
+    fig.suptitle("   ".join(f"{label} {100 * p:.1f}%" for label, p in zip(result.labels, result.probs)),
+                 y=0.02, va="bottom", fontsize=11)
+    return fig
+
+
+def _write_png(fig, path: Path) -> None:
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100, pil_kwargs={"compress_level": 3}))
+
+
+def _figure_name(index: int, path: str) -> str:
+    stem = re.sub(r"[^\w.-]+", "-", Path(path).stem).strip("-") or "image"
+    return f"{index:04d}-{stem[:60]}.png"
+
+
+def _write_index(results: list[Explanation], folder: Path, title: str) -> Path:
+    cells = []
+    for r in results:
+        caption = html.escape(r.path)
+        if r.error is not None:
+            cells.append(f'<figure class="error"><figcaption>{caption}<br>could not be read: '
+                         f'{html.escape(r.error)}</figcaption></figure>')
+            continue
+        labels = "<br>".join(f"{html.escape(label)} {100 * p:.1f}%" for label, p in zip(r.labels, r.probs))
+        src = html.escape(r.figure.name, quote=True)
+        cells.append(f'<figure><a href="{src}"><img src="{src}" loading="lazy"></a>'
+                     f'<figcaption>{caption}<br>{labels}</figcaption></figure>')
+    page = (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title><style>"
+            "body{font-family:sans-serif;margin:1em}main{display:flex;flex-wrap:wrap;gap:1em}"
+            "figure{margin:0;width:420px}img{width:100%}figcaption{font-size:13px;word-break:break-all}"
+            ".error{color:#a00}</style></head>\n"
+            f"<body><h1>{html.escape(title)}</h1><main>\n" + "\n".join(cells) + "\n</main></body></html>\n")
+    index = folder / "index.html"
+    atomic_write(index, lambda tmp: tmp.write_text(page, encoding="utf-8"))
+    return index
+
+
+# ----------------------------------------------------------------------------- explain
+
+
+def _label_names(model: VisionTransformer) -> list[str]:
+    names = model.pretrained_cfg.get("label_names")
+    if names and len(names) == model.num_classes:
+        return [str(n) for n in names]
+    log.warning("the model has no label names: labels are class indices")
+    return [str(i) for i in range(model.num_classes)]
+
+
+def explain(
+    model: ModelLike,
+    images: Union[str, os.PathLike, Iterable[Union[str, os.PathLike]]],
+    method: str = "rollout",
+    target: Optional[str] = None,
+    output: Union[str, os.PathLike, None] = None,
+    top_k: int = 3,
+    img_size: Optional[int] = None,
+    batch_size: int = 16,
+    device: str = "auto",
+    precision: str = "fp32",
+    arch: Optional[str] = None,
+    progress: Optional[ProgressFn] = None,
+) -> list[Explanation]:
+    """Heat maps of where the model looked, one Explanation per image, in sorted path order.
+
+    `model` and `images` as `predict` takes them. `method`: rollout, attention or gradcam (see the module
+    docstring); `target`: the label gradcam explains (default: each image's prediction). With `output`, each image
+    gets a PNG there (the image, its heat map, the top-k labels) and index.html shows them all. Files that cannot be
+    read give an Explanation with `error` set.
+    """
+    if method not in METHODS:
+        raise VitftError(f"unknown --method {method!r}; use one of {', '.join(METHODS)}")
+    if top_k < 1:
+        raise VitftError(f"--top-k must be at least 1, got {top_k}")
+    dev = _check_args(batch_size, device, precision)
+    paths = list_images(images)
+    net, _ = _prepare_model(model, arch, img_size)
+    if net.num_classes <= 0:
+        raise VitftError("the model has no classifier head (num_classes=0); explain needs a classifier")
+    _check_pooling(net)
+    classes = _label_names(net)
+    target_index = None
+    if target is not None:
+        if method != "gradcam":
+            raise VitftError(f"--target applies to --method gradcam; {method} does not depend on the class")
+        if target not in classes:
+            raise VitftError(f"--target {target!r} is not one of the model's classes: {', '.join(classes[:20])}")
+        target_index = classes.index(target)
+    folder = Path(output).expanduser() if output is not None else None
+    size = tuple(net.patch_embed.img_size)
+    crop_pct = net.pretrained_cfg.get("crop_pct", DEFAULT_CROP_PCT)
+    transform = build_transforms(net.pretrained_cfg, size, train=False)
+    k = min(top_k, len(classes))
+    results: list[Explanation] = []
+    was_training = net.training
+    net.to(dev).eval()
+    try:
+        for start in range(0, len(paths), batch_size):
+            loaded, batch = [], []
+            for path in paths[start:start + batch_size]:
+                try:
+                    image = load_rgb(path)
+                except Exception as e:  # noqa: BLE001 - any decoding failure makes an error row, as in predict
+                    log.warning("could not read %s: %s", path, e)
+                    results.append(Explanation(str(path), [], [], method, error=f"{type(e).__name__}: {e}"))
+                    continue
+                loaded.append((path, image))
+                batch.append(transform(image=image)["image"])
+            if batch:
+                x = torch.stack(batch).to(dev)
+                with compute_context(dev, precision):
+                    logits, grids, head_grids, targets = attention_maps(net, x, method, target_index)
+                probs, top = logits.softmax(dim=1).topk(k, dim=1)
+                for i, (path, image) in enumerate(loaded):
+                    grid = grids[i].cpu().numpy()
+                    result = Explanation(
+                        str(path), [classes[c] for c in top[i].tolist()], [round(p, 6) for p in probs[i].tolist()],
+                        method, target=classes[int(targets[i])] if method == "gradcam" else None,
+                        heatmap=heatmap_at_image_size(grid, image.shape[:2], size, crop_pct), grid=grid,
+                        head_maps=None if head_grids is None else head_grids[i].cpu().numpy())
+                    if folder is not None:
+                        result.figure = folder / _figure_name(start + i, result.path)
+                        _write_png(_figure(image, result), result.figure)
+                    results.append(result)
+            if progress:
+                progress(min(start + batch_size, len(paths)), len(paths))
+    finally:
+        net.train(was_training)
+    position = {str(path): i for i, path in enumerate(paths)}
+    results.sort(key=lambda r: position[r.path])  # unreadable files were appended ahead of their batch
+    if folder is not None:
+        _write_index(results, folder, f"vitft explain: {method}")
+    return results
+
+
+def explain_command(model: str, images: list[str], output: str, method: str = "rollout",
+                    target: Optional[str] = None, arch: Optional[str] = None, pretrained: bool = False,
+                    top_k: int = 3, img_size: Optional[int] = None, batch_size: int = 16, device: str = "auto",
+                    precision: str = "fp32") -> list[Explanation]:
+    """`vitft explain`: write the PNGs and index.html, and say where."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    _check_model_arg(model, arch, pretrained)
+    if not images:
+        raise VitftError("give at least one image file, folder or glob to explain")
+    with _ProgressBar("explaining", min_total=8) as bar:
+        results = explain(model, images, method=method, target=target, output=output, top_k=top_k,
+                          img_size=img_size, batch_size=batch_size, device=device, precision=precision, arch=arch,
+                          progress=bar)
+    bad = sum(r.error is not None for r in results)
+    err = Console(stderr=True)
+    err.print(f"wrote {len(results) - bad} heat map(s) ({method}) and index.html to "
+              f"{escape(str(Path(output).expanduser()))}", highlight=False, soft_wrap=True)
+    if bad:
+        err.print(f"[yellow]warning:[/] {bad} of {len(results)} file(s) could not be read", highlight=False,
+                  soft_wrap=True)
+    return results
