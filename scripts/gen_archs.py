@@ -1,7 +1,8 @@
 """Regenerate vit_finetune/archs.json from the installed timm.
 
-Every timm `vision_transformer` entrypoint is called with timm's model factory
-intercepted, so we record exactly the hyperparameters timm would build with.
+Every timm `vision_transformer` and `deit` entrypoint is called with timm's model
+factory intercepted, so we record exactly the hyperparameters timm would build with
+(DeiT's distillation token and second head become `distilled: true`).
 Layer classes are turned into the plain names the native model understands.
 Architectures built from blocks we do not implement (parallel, res-post,
 differential attention) are left out.
@@ -15,21 +16,29 @@ from pathlib import Path
 import timm
 import torch
 import torch.nn as nn
+import timm.models.deit as timm_deit
 import timm.models.vision_transformer as timm_vit
 from timm.layers import GluMlp, LayerNorm, RmsNorm, SwiGLU
 
 OUT = Path(__file__).resolve().parents[1] / "vit_finetune" / "archs.json"
 UNSUPPORTED = {"block_fn", "attn_layer"}
 FACTORY_ONLY = {"cache_dir", "pretrained_cfg", "pretrained_cfg_overlay"}  # create_model plumbing, not hyperparameters
+MODULES = ("vision_transformer", "deit")
 
 
 _CAPTURED: dict = {}
 _create_timm_vit = timm_vit._create_vision_transformer
+_create_timm_deit = timm_deit._create_deit
 
 
 def _capture(variant, pretrained=False, **kwargs):
     _CAPTURED[variant] = dict(kwargs)
     return _create_timm_vit(variant, pretrained=pretrained, **kwargs)
+
+
+def _capture_deit(variant, pretrained=False, distilled=False, **kwargs):
+    _CAPTURED[variant] = dict(kwargs, distilled=True) if distilled else dict(kwargs)
+    return _create_timm_deit(variant, pretrained=pretrained, distilled=distilled, **kwargs)
 
 
 def _norm(spec, prefix: str) -> dict:
@@ -78,8 +87,9 @@ def native_kwargs(kwargs: dict) -> dict:
 
 def main() -> None:
     timm_vit._create_vision_transformer = _capture
+    timm_deit._create_deit = _capture_deit
     table = {}
-    for name in timm.list_models(module="vision_transformer"):
+    for name in (n for module in MODULES for n in timm.list_models(module=module)):
         with torch.device("meta"):
             model = timm.create_model(name)
         kwargs = {k: v for k, v in _CAPTURED[name].items() if k not in FACTORY_ONLY}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 
 import pytest
 import timm
@@ -97,9 +98,10 @@ def assert_same_outputs(timm_model, native, x, atol=ATOL, rtol=RTOL):
 
 
 # ---- every architecture in the table ----------------------------------------------------------
-# test_arch_parity: each of the 153 archs, built by timm from its name at depth 2 with random
-# weights, against the native model from archs.json, at the arch's default input size (about
-# 12 TFLOP in all: ~80 s of the ~170 s these files take on 2 cores, one thread).
+# test_arch_parity: each of the 169 archs (153 vision_transformer, 16 deit), built by timm from
+# its name at depth 2 with random weights, against the native model from archs.json, at the
+# arch's default input size (about 12 TFLOP in all: ~80 s of the ~170 s these files take on 2
+# cores, one thread).
 #
 # VITFT_QUICK_PARITY=1 halves that: archs whose kwargs are identical except img_size
 # (vit_*_224/_384, siglip 224..896, ...) share every code path but the position grid, so only one
@@ -163,6 +165,79 @@ def test_arch_state_dict_parity(name):
     assert native.global_pool == timm_model.global_pool
     assert native.num_classes == timm_model.num_classes
     assert tuple(native.patch_embed.grid_size) == tuple(timm_model.patch_embed.grid_size)
+
+
+# ---- DeiT (timm's deit module): plain, DeiT-III and distilled -------------------------------------
+# test_arch_parity and test_arch_state_dict_parity above cover them in eval mode at their default size.
+DEIT = list_archs("deit*")
+
+
+def test_table_has_the_whole_deit_family():
+    assert DEIT == sorted(timm.list_models(module="deit")) and len(DEIT) == 16
+    distilled = [n for n in DEIT if get_arch(n).kwargs.get("distilled")]
+    assert distilled == [n for n in DEIT if "_distilled_" in n] and len(distilled) == 4
+
+
+@pytest.mark.parametrize("name", DEIT)
+def test_deit_train_mode_parity(name):
+    """Train mode as timm's: a distilled model returns the mean of its two heads (what fine-tuning on labels
+    trains), and (logits, logits_dist) only once distilled training is switched on. A 2x3-patch input keeps
+    this quick; the default grid is covered in eval mode above."""
+    arch = get_arch(name)
+    size = (2 * arch.patch_size[0], 3 * arch.patch_size[1])
+    timm_model = timm_random(name, depth=2, img_size=size).train()
+    native = native_from(timm_model, **dict(arch.kwargs, depth=2, img_size=size)).train()
+    x = image(*size, batch=2)
+    with torch.no_grad():
+        torch.testing.assert_close(native(x), timm_model(x), atol=ATOL, rtol=RTOL)
+        if not arch.kwargs.get("distilled"):
+            return
+        timm_model.set_distilled_training(True)
+        native.set_distilled_training(True)
+        ours, theirs = native(x), timm_model(x)
+        assert isinstance(ours, tuple) and len(ours) == 2
+        torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=RTOL)
+        assert native.eval()(x).shape == (2, 1000)  # eval mode: the mean again
+
+
+@pytest.fixture
+def distilled_pair():
+    kwargs = dict(SMALL, distilled=True)
+    timm_model = timm_random("deit_tiny_distilled_patch16_224", **SMALL)
+    return timm_model, native_from(timm_model, **kwargs)
+
+
+def test_distilled_reset_classifier_replaces_both_heads(distilled_pair):
+    timm_model, native = distilled_pair
+    before = {k: v.clone() for k, v in native.state_dict().items()}
+    native.reset_classifier(7)
+    after = native.state_dict()
+    assert set(after) == set(before) and native.num_classes == 7
+    for key in ("head.weight", "head_dist.weight"):
+        assert after[key].shape == (7, 64)
+    for key, value in before.items():
+        if not key.startswith(("head.", "head_dist.")):
+            assert torch.equal(after[key], value), key
+    assert native.eval()(image(32, batch=2)).shape == (2, 7)
+    timm_model.reset_classifier(0)
+    native.reset_classifier(0)
+    timm_model.load_state_dict(native.state_dict(), strict=True)
+    assert_same_outputs(timm_model, native, image(32, batch=2))  # features: the mean of the two tokens
+    with pytest.raises(ValueError, match="distillation token"):
+        native.reset_classifier(7, global_pool="avg")
+
+
+def test_distilled_token_is_a_stem_parameter_without_weight_decay(distilled_pair):
+    _, native = distilled_pair
+    assert native.no_weight_decay() == {"pos_embed", "cls_token", "reg_token", "dist_token"}
+    assert "dist_token" in dict(native.named_parameters())
+    assert re.match(native.group_matcher()["stem"], "dist_token")
+    assert native.get_classifier() == (native.head, native.head_dist)
+
+
+def test_distilled_needs_the_class_token_pooling():
+    with pytest.raises(ValueError, match="distilled=True needs global_pool='token'"):
+        VisionTransformer(**dict(SMALL, distilled=True, global_pool="avg"))
 
 
 # ---- hyperparameters not in the table --------------------------------------------------------

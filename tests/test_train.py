@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from vit_finetune import create_model
+from vit_finetune import create_model, save_pretrained
 from vit_finetune.cli import app
 from vit_finetune.errors import VitftError
 from vit_finetune.train import CHECKPOINT, TrainConfig, finetune, load_recipe
@@ -189,6 +189,24 @@ def test_linear_probe_trains_only_the_head(small_intel, tiny_model_dir, tmp_path
     after = create_model(f"local-dir:{out}", pretrained=True).state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed == {"head.weight", "head.bias"}
+
+
+def test_distilled_deit_trains_both_heads_on_the_labels(small_intel, tmp_path, caplog):
+    """No teacher: the loss is on the mean of head and head_dist (timm's train-mode output), so a linear probe
+    moves both heads and nothing else; the run says so once."""
+    caplog.set_level("INFO", logger="vitft")
+    torch.manual_seed(0)
+    model = create_model("deit_tiny_distilled_patch16_224", num_classes=len(CLASSES), **TINY)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    start = save_pretrained(model, tmp_path / "start")
+    out = tmp_path / "distilled"
+    finetune(data=str(small_intel), pretrained=str(start), output=str(out), freeze_backbone=True,
+             max_steps_per_epoch=3, **dict(QUICK, epochs=1))
+    after = create_model(f"local-dir:{out}", pretrained=True).state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed == {"head.weight", "head.bias", "head_dist.weight", "head_dist.bias"}
+    notes = [r.getMessage() for r in caplog.records if "head_dist" in r.getMessage()]
+    assert len(notes) == 1 and "both heads" in notes[0], notes
 
 
 def test_recipe_and_flags_merge(small_intel, tiny_model_dir, tmp_path):

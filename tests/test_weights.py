@@ -21,6 +21,7 @@ from vit_finetune import VitftError, create_model, resize_pos_embed, save_pretra
 from conftest import CLASSES, TINY
 
 TINY_ARCH = "vit_tiny_patch16_224"
+DISTILLED_ARCH = "deit_tiny_distilled_patch16_224"  # DeiT: distillation token and a second head
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -219,17 +220,20 @@ def vitft_log(caplog):
     logger.setLevel(level)
 
 
-def test_head_reinitialised_for_other_class_count(tmp_path, vitft_log):
+@pytest.mark.parametrize("arch", [TINY_ARCH, DISTILLED_ARCH])
+def test_head_reinitialised_for_other_class_count(tmp_path, vitft_log, arch):
     torch.manual_seed(3)
-    source = randomize_(create_model(TINY_ARCH, **TINY), seed=3)
+    source = randomize_(create_model(arch, **TINY), seed=3)
     assert source.num_classes == 1000
     path = save_safetensors(source.state_dict(), tmp_path / "w.safetensors")
-    model = create_model(TINY_ARCH, pretrained=path, num_classes=6, **TINY)
+    model = create_model(arch, pretrained=path, num_classes=6, **TINY)
     state, ckpt = model.state_dict(), source.state_dict()
     assert model.num_classes == 6 and state["head.weight"].shape == (6, 64) and state["head.bias"].shape == (6,)
+    if arch == DISTILLED_ARCH:
+        assert state["head_dist.weight"].shape == (6, 64) and state["head_dist.bias"].shape == (6,)
     assert set(state) == set(ckpt)
     for key in state:
-        if not key.startswith("head."):
+        if not key.startswith(("head.", "head_dist.")):
             assert torch.equal(state[key], ckpt[key]), key
     assert model.load_report.new == ["head: new, 6 classes (the checkpoint's 1000-class head re-initialised)"]
     assert any("head: new, 6 classes" in r.getMessage() for r in vitft_log.records)  # create_model's debug line
@@ -274,6 +278,26 @@ def test_save_pretrained_loads_in_timm(tmp_path, overrides):
     theirs = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
     size = overrides.get("img_size", 224)
     x = image(size, batch=2)
+    torch.testing.assert_close(logits(theirs, x), logits(model, x), atol=1e-5, rtol=1e-5)
+    again = create_model(f"local-dir:{folder}", pretrained=True)
+    torch.testing.assert_close(logits(again, x), logits(model, x), atol=0, rtol=0)
+
+
+def test_distilled_deit_exports_to_timm(tmp_path):
+    """A distilled DeiT folder is timm's VisionTransformerDistilled again, with timm's DeiT preprocessing."""
+    torch.manual_seed(5)
+    model = randomize_(create_model(DISTILLED_ARCH, num_classes=6, img_size=64, depth=2), seed=5).eval()
+    timm_cfg = timm.models.get_pretrained_cfg(DISTILLED_ARCH).to_dict()
+    for key in ("mean", "std", "crop_pct", "interpolation"):
+        assert model.pretrained_cfg[key] == timm_cfg[key], key
+    folder = save_pretrained(model, tmp_path / "export")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architecture"] == DISTILLED_ARCH and config["num_classes"] == 6
+    assert config["pretrained_cfg"]["classifier"] == ["head", "head_dist"]
+    theirs = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+    assert type(theirs).__name__ == "VisionTransformerDistilled"
+    assert theirs.head_dist.weight.shape == (6, 192) and len(theirs.blocks) == 2
+    x = image(64, batch=2)
     torch.testing.assert_close(logits(theirs, x), logits(model, x), atol=1e-5, rtol=1e-5)
     again = create_model(f"local-dir:{folder}", pretrained=True)
     torch.testing.assert_close(logits(again, x), logits(model, x), atol=0, rtol=0)
@@ -336,3 +360,15 @@ def test_cli_models_lists_matching_names():
     assert result.exit_code == 0, result.output
     assert "vit_b_16" in result.output and "vit_base_patch16_224" in result.output
     assert "vit_small_patch16_224" not in result.output
+
+
+def test_cli_models_lists_the_deit_family():
+    from typer.testing import CliRunner
+
+    from vit_finetune.cli import app
+
+    result = CliRunner().invoke(app, ["models", "deit*"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    for name in timm.list_models(module="deit"):
+        assert f" {name} " in result.output, name
+    assert "vit_base_patch16_224" not in result.output

@@ -273,7 +273,9 @@ class VisionTransformer(nn.Module):
     """ViT: patch embedding, prefix tokens, position embedding, encoder blocks, pooling and head.
 
     Hyperparameter names and defaults are timm's; `norm_layer`, `act_layer` and `mlp_layer`
-    are names rather than classes.
+    are names rather than classes. `distilled=True` is DeiT's distilled ViT (timm's
+    `VisionTransformerDistilled`): a distillation token after the class token and a second head,
+    `head_dist`, reading it; the output is the mean of the two heads.
     """
 
     def __init__(
@@ -296,6 +298,7 @@ class VisionTransformer(nn.Module):
         class_token: bool = True,
         no_embed_class: bool = False,
         reg_tokens: int = 0,
+        distilled: bool = False,
         pre_norm: bool = False,
         final_norm: bool = True,
         fc_norm: Optional[bool] = None,
@@ -318,6 +321,9 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"unknown global_pool {global_pool!r}; use one of {POOLS}")
         if global_pool == "token" and not class_token:
             raise ValueError("global_pool='token' needs class_token=True")
+        if distilled and (global_pool != "token" or not class_token or reg_tokens or fc_norm):
+            raise ValueError("distilled=True needs global_pool='token', a class token, no reg_tokens and no fc_norm: "
+                             "the two heads read the class and distillation tokens")
         if mlp_layer not in MLPS:
             raise ValueError(f"unknown mlp_layer {mlp_layer!r}; use one of {', '.join(MLPS)}")
         use_fc_norm = global_pool in ("avg", "avgmax", "max") if fc_norm is None else fc_norm
@@ -328,7 +334,7 @@ class VisionTransformer(nn.Module):
         self.global_pool = global_pool
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.num_reg_tokens = reg_tokens
-        self.num_prefix_tokens = int(class_token) + reg_tokens
+        self.num_prefix_tokens = int(class_token) + int(distilled) + reg_tokens
         self.has_class_token = class_token
         self.no_embed_class = no_embed_class
         self.pool_include_prefix = pool_include_prefix
@@ -343,6 +349,7 @@ class VisionTransformer(nn.Module):
             strict_img_size=not dynamic_img_size)
         num_patches = self.patch_embed.num_patches
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if distilled else None
         self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, embed_dim)) if reg_tokens else None
         embed_len = num_patches if no_embed_class else num_patches + self.num_prefix_tokens
         self.pos_embed = nn.Parameter(torch.zeros(1, embed_len, embed_dim))
@@ -360,6 +367,9 @@ class VisionTransformer(nn.Module):
         self.fc_norm = norm(embed_dim) if final_norm and use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.head_dist = (nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()) \
+            if distilled else None
+        self.distilled_training = False  # timm's switch: True returns both heads' logits in train mode
         self.init_weights()
 
     # ---- initialisation -------------------------------------------------------------------
@@ -369,6 +379,8 @@ class VisionTransformer(nn.Module):
         for token in (self.cls_token, self.reg_token):
             if token is not None:
                 nn.init.normal_(token, std=1e-6)
+        if self.dist_token is not None:
+            nn.init.trunc_normal_(self.dist_token, std=0.02)
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.trunc_normal_(module.weight, std=0.02)
@@ -381,23 +393,31 @@ class VisionTransformer(nn.Module):
     # ---- timm-compatible helpers ----------------------------------------------------------
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
-        return {"pos_embed", "cls_token", "reg_token"}
+        return {"pos_embed", "cls_token", "reg_token"} | ({"dist_token"} if self.dist_token is not None else set())
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> dict:
         """Parameter groups for layer-wise LR decay (timm's optimizer factory reads this)."""
-        return dict(stem=r"^cls_token|reg_token|pos_embed|patch_embed|norm_pre",
+        return dict(stem=r"^cls_token|dist_token|reg_token|pos_embed|patch_embed|norm_pre",
                     blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable
 
-    def get_classifier(self) -> nn.Module:
-        return self.head
+    @torch.jit.ignore
+    def set_distilled_training(self, enable: bool = True) -> None:
+        """For training against a teacher (timm's TokenDistillationTask): train mode returns (logits, logits_dist)."""
+        self.distilled_training = enable
+
+    def get_classifier(self) -> nn.Module | tuple[nn.Module, nn.Module]:
+        """The head; a distilled model's two heads as (head, head_dist), as timm's."""
+        return self.head if self.head_dist is None else (self.head, self.head_dist)
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        """Replace the head (freshly initialised) for `num_classes` outputs."""
+        """Replace the head (and a distilled model's head_dist), freshly initialised, for `num_classes` outputs."""
+        if self.head_dist is not None and global_pool not in (None, "token"):
+            raise ValueError("a distilled model's heads read the class and distillation tokens: keep global_pool='token'")
         if global_pool is not None and global_pool != self.global_pool:
             if global_pool not in POOLS or "map" in (global_pool, self.global_pool):
                 raise ValueError(f"cannot switch pooling from {self.global_pool!r} to {global_pool!r}")
@@ -405,13 +425,18 @@ class VisionTransformer(nn.Module):
                 raise ValueError("global_pool='token' needs a class token")
             self.global_pool = global_pool
         self.num_classes = num_classes
+        self.head = self._new_head(num_classes)
+        if self.head_dist is not None:
+            self.head_dist = self._new_head(num_classes)
+
+    def _new_head(self, num_classes: int) -> nn.Module:
         ref = self.pos_embed
-        self.head = nn.Linear(self.embed_dim, num_classes, device=ref.device, dtype=ref.dtype) \
+        head = nn.Linear(self.embed_dim, num_classes, device=ref.device, dtype=ref.dtype) \
             if num_classes > 0 else nn.Identity()
         if num_classes > 0:
-            nn.init.trunc_normal_(self.head.weight, std=0.02)
-            nn.init.zeros_(self.head.bias)
-        self.head.train(self.training)
+            nn.init.trunc_normal_(head.weight, std=0.02)
+            nn.init.zeros_(head.bias)
+        return head.train(self.training)
 
     def set_input_size(self, img_size: int | Sequence[int]) -> None:
         """Rebuild for a new input resolution, resizing the position embedding."""
@@ -436,7 +461,7 @@ class VisionTransformer(nn.Module):
             pos_embed = resize_pos_embed(pos_embed, (H, W), self.patch_embed.grid_size,
                                          0 if self.no_embed_class else self.num_prefix_tokens)
         x = x.reshape(B, H * W, C)
-        prefix = [t.expand(B, -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+        prefix = [t.expand(B, -1, -1) for t in (self.cls_token, self.dist_token, self.reg_token) if t is not None]
         if self.no_embed_class:
             x = torch.cat(prefix + [x + pos_embed], dim=1)
         else:
@@ -468,8 +493,21 @@ class VisionTransformer(nn.Module):
         return 0.5 * (x.amax(dim=1) + x.mean(dim=1))  # avgmax
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        if self.head_dist is not None:
+            return self._forward_distilled_head(x, pre_logits)
         x = self.head_drop(self.fc_norm(self.pool(x)))
         return x if pre_logits else self.head(x)
+
+    def _forward_distilled_head(self, x: torch.Tensor, pre_logits: bool):
+        """timm's VisionTransformerDistilled head: the mean of both heads' logits, so fine-tuning on labels
+        alone trains both; (logits, logits_dist) only in train mode with distilled_training set."""
+        x, x_dist = self.head_drop(x[:, 0]), self.head_drop(x[:, 1])
+        if pre_logits:
+            return (x + x_dist) / 2
+        x, x_dist = self.head(x), self.head_dist(x_dist)
+        if self.distilled_training and self.training:
+            return x, x_dist
+        return (x + x_dist) / 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))

@@ -189,7 +189,7 @@ def _default_run_dir(cfg: TrainConfig) -> Path:
 
 def _set_backbone_trainable(model: nn.Module, trainable: bool) -> None:
     for name, param in model.named_parameters():
-        param.requires_grad = trainable or name.startswith(("head.", "fc_norm."))
+        param.requires_grad = trainable or name.startswith(("head.", "head_dist.", "fc_norm."))
 
 
 class Metrics:
@@ -440,6 +440,9 @@ class Trainer:
             f"{self.ddp.world} proc; lr {self.lr:.3g} = {cfg.lr:g} x {self.effective_batch}/{cfg.lr_base_size}; "
             f"layer decay {self.layer_decay or 'off'}; {cfg.epochs} epochs x {self.steps_per_epoch} steps, warmup {cfg.warmup_epochs}",
         ]
+        if getattr(self.model, "head_dist", None) is not None:
+            lines.append("distilled model (DeiT): no teacher, so both heads (head, head_dist) are trained on the labels "
+                         "through their mean, the model's output, as timm does")
         return lines
 
     def train_epoch(self, progress) -> tuple[float, float, bool]:

@@ -33,7 +33,7 @@ log = logging.getLogger("vitft")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 PREPROCESSOR_FILE = "preprocessor_config.json"  # transformers' preprocessing (mean, std, size, crop)
 TORCH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
-HEAD_KEYS = ("head.weight", "head.bias")
+HEAD_KEYS = ("head.weight", "head.bias", "head_dist.weight", "head_dist.bias")  # head_dist: DeiT distilled
 # pretrained_cfg entries that are about where weights were, not how to use them
 _LOCATION_KEYS = ("url", "file", "hf_hub_id", "hf_hub_filename", "source", "state_dict", "architecture")
 _MODEL_ARGS = set(inspect.signature(VisionTransformer.__init__).parameters) - {"self"}
