@@ -374,10 +374,10 @@ def test_validation_drops_images_that_fail_to_decode(tmp_path, tiny_model_dir, c
     data = tmp_path / "data"
     make_images(data / "train", {"buildings": 8, "forest": 8})
     make_images(data / "val", {"buildings": 2, "forest": 2}, seed=1)
-    good = (data / "val" / "forest" / "forest_00.png")
-    Image.open(good).save(data / "val" / "forest" / "truncated.jpg")
+    noise = np.random.default_rng(0).integers(0, 255, (200, 200, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(data / "val" / "forest" / "truncated.jpg")
     jpeg = (data / "val" / "forest" / "truncated.jpg").read_bytes()
-    (data / "val" / "forest" / "truncated.jpg").write_bytes(jpeg[: len(jpeg) // 3])  # header fine, decode fails
+    (data / "val" / "forest" / "truncated.jpg").write_bytes(jpeg[: len(jpeg) // 2])  # header fine, decode fails
     caplog.set_level("INFO", logger="vitft")
     finetune(data=str(data), pretrained=str(tiny_model_dir), output=str(tmp_path / "run"), **TINIEST)
     assert _rows(tmp_path / "run")[0]["val_images"] == "4"  # not 5: the replacement is not counted again
