@@ -4,12 +4,14 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -18,7 +20,7 @@ from typer.testing import CliRunner
 from vit_finetune import create_model, save_pretrained
 from vit_finetune.cli import app
 from vit_finetune.errors import VitftError
-from vit_finetune.train import CHECKPOINT, TrainConfig, finetune, load_recipe
+from vit_finetune.train import CHECKPOINT, TrainConfig, Trainer, finetune, load_checkpoint, load_recipe
 
 from conftest import CLASSES, TINY, make_subset
 
@@ -29,6 +31,17 @@ QUICK = dict(epochs=2, batch_size=24, lr=0.02, workers=0, img_size=None, warmup_
 
 def _cli_env() -> dict:
     return dict(os.environ, PYTHONPATH=str(REPO), NO_ALBUMENTATIONS_UPDATE="1", OMP_NUM_THREADS="1")
+
+
+def make_images(root: Path, counts: dict[str, int], size: int = 40, seed: int = 0) -> Path:
+    """Class folders of square noise PNGs, each class around its own colour (learnable, and quick)."""
+    rng = np.random.default_rng(seed)
+    for c, (name, n) in enumerate(counts.items()):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            pixels = np.clip(rng.normal(60 + 60 * c, 40, (size, size, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(root / name / f"{name}_{i:02d}.png")
+    return root
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -67,19 +80,25 @@ def test_best_model_reloads_with_its_validation_accuracy(run):
     assert float(best["val_top1"]) == pytest.approx(result.best_top1, abs=1e-4)
 
 
-def test_resume_continues_at_the_next_epoch(run, tmp_path):
+def test_resume_continues_at_the_next_epoch(run, tmp_path, caplog):
     run_dir, _ = run
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-r", str(run_dir), str(copy)], check=True)
+    caplog.set_level("INFO", logger="vitft")
     result = finetune(resume=copy, epochs=4)
     rows = _rows(copy)
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3, 4]
-    assert rows[:2] == _rows(run_dir)[:2]
+    weights_line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:"))
+    assert f"this run's checkpoint {copy / CHECKPOINT}" in weights_line and str(tiny_dir(run)) in weights_line
     # the schedule is stretched to the new length: epoch 3 is no longer stuck at the old run's min_lr
     assert float(rows[2]["lr"]) > 10 * float(rows[1]["lr"])
-    state = torch.load(copy / CHECKPOINT, weights_only=False)
+    state = torch.load(copy / CHECKPOINT, weights_only=True)
     assert state["epoch"] == 4 and result.epochs_done == 4
     assert state["global_step"] == 4 * (216 // 24)  # 216 train images, full batches only
+
+
+def tiny_dir(run) -> str:
+    return json.loads((run[0] / "train_config.json").read_text())["pretrained"]
 
 
 def test_resume_of_a_finished_run_asks_for_more_epochs(run):
@@ -102,32 +121,49 @@ def test_sigint_checkpoints_mid_epoch_and_resume_finishes(small_intel, tiny_mode
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, output
     assert "interrupted" in output and "--resume" in output
-    state = torch.load(out / CHECKPOINT, weights_only=False)
+    state = torch.load(out / CHECKPOINT, weights_only=True)
     steps_per_epoch = 216 // 8
     assert state["global_step"] == state["epoch"] * steps_per_epoch + state["step_in_epoch"]
     assert state["global_step"] < 3 * steps_per_epoch
     assert not list(out.glob("**/*.tmp"))  # nothing half-written left behind
 
     result = finetune(resume=out)
-    final = torch.load(out / CHECKPOINT, weights_only=False)
+    final = torch.load(out / CHECKPOINT, weights_only=True)
     assert result.epochs_done == 3 and final["global_step"] == 3 * steps_per_epoch
     assert [int(r["epoch"]) for r in _rows(out)] == [1, 2, 3]
 
 
-def test_two_process_ddp_on_gloo(small_intel, tiny_model_dir, tmp_path):
+def _torchrun(*args: str) -> subprocess.CompletedProcess:
+    """2 processes on gloo; --standalone picks a free port (a fixed one collides with parallel runs)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "vit_finetune", "finetune", *args, "--workers", "0", "--quiet"]
+    return subprocess.run(cmd, env=_cli_env(), capture_output=True, text=True, timeout=300)
+
+
+def test_two_process_ddp_on_gloo_with_accumulation(small_intel, tiny_model_dir, tmp_path):
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-           "-m", "vit_finetune", "finetune", "--data", str(small_intel), "--pretrained", str(tiny_model_dir),
-           "--output", str(out), "--epochs", "1", "--batch-size", "12", "--workers", "0", "--quiet"]
-    proc = subprocess.run(cmd, env=_cli_env(), capture_output=True, text=True, timeout=300)
+    proc = _torchrun("--data", str(small_intel), "--pretrained", str(tiny_model_dir), "--output", str(out),
+                     "--epochs", "1", "--batch-size", "6", "--accum-steps", "2", "--max-steps-per-epoch", "4")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "x2 processes" in proc.stdout + proc.stderr
-    assert "effective batch 24 = 12 x 1 accum x 2 proc" in proc.stdout + proc.stderr
+    assert "effective batch 24 = 6 x 2 accum x 2 proc" in proc.stdout + proc.stderr
     rows = _rows(out)
     assert len(rows) == 1  # rank 0 alone writes
     # both ranks' halves (12 + 12 of 24 val images) are reduced into one accuracy: a multiple of 1/24, not 1/12
+    assert rows[0]["val_images"] == "24"
     correct = float(rows[0]["val_top1"]) * 24
     assert correct == pytest.approx(round(correct), abs=1e-3)
+    assert torch.load(out / CHECKPOINT, weights_only=True)["global_step"] == 4
+
+
+def test_ddp_with_fewer_validation_images_than_processes(tiny_model_dir, tmp_path):
+    data = make_images(tmp_path / "data" / "train", {"buildings": 8, "forest": 8})
+    make_images(tmp_path / "data" / "val", {"forest": 1})
+    out = tmp_path / "ddp"
+    proc = _torchrun("--data", str(data.parent), "--pretrained", str(tiny_model_dir), "--output", str(out),
+                     "--epochs", "1", "--batch-size", "4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _rows(out)[0]["val_images"] == "1"  # rank 1 had none and validated nothing
 
 
 def test_bad_images_are_skipped_and_reported(intel_dir, tiny_model_dir, tmp_path, caplog):
@@ -228,8 +264,187 @@ def test_ema_mixup_accumulation_bf16_and_unfreeze_work_together(small_intel, tin
                       freeze_backbone=True, unfreeze_after=1, max_steps_per_epoch=3,
                       **dict(QUICK, epochs=2, batch_size=8))
     assert result.epochs_done == 2
-    state = torch.load(tmp_path / "combo" / CHECKPOINT, weights_only=False)
+    state = torch.load(tmp_path / "combo" / CHECKPOINT, weights_only=True)
     assert state["global_step"] == 6 and state["ema"] is not None
     assert any("unfreezing the backbone" in r.getMessage() for r in caplog.records)
     before = create_model(f"local-dir:{tiny_model_dir}", pretrained=True).state_dict()
     assert not torch.equal(before["blocks.0.attn.qkv.weight"], state["model"]["blocks.0.attn.qkv.weight"])
+
+
+# ---- regression tests of issue 8 ----------------------------------------------------------------
+TINIEST = dict(epochs=1, batch_size=4, lr=0.02, workers=0, warmup_epochs=0, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def two_classes(tmp_path_factory) -> Path:
+    return make_images(tmp_path_factory.mktemp("two"), {"buildings": 10, "forest": 10})
+
+
+def _normalize(transform) -> tuple:
+    step = next(t for t in transform.transforms if type(t).__name__ == "Normalize")
+    return tuple(np.round(step.mean, 4)), tuple(np.round(step.std, 4))
+
+
+def test_resume_builds_data_and_ema_with_the_runs_preprocessing(two_classes, tmp_path):
+    torch.manual_seed(0)
+    model = create_model("vit_tiny_patch16_224", num_classes=2, **TINY)  # the arch's default mean/std: 0.5
+    model.pretrained_cfg.update(mean=(0.1, 0.2, 0.3), std=(0.4, 0.5, 0.6))
+    weights = save_pretrained(model, tmp_path / "weights")
+    out = tmp_path / "run"
+    finetune(data=str(two_classes), pretrained=str(weights), output=str(out), ema=True, **TINIEST)
+    state = load_checkpoint(out)
+    trainer = Trainer(TrainConfig.from_dict({**state["config"], "epochs": 2}), out, state)
+    expected = ((0.1, 0.2, 0.3), (0.4, 0.5, 0.6))
+    assert _normalize(trainer.train_set.transform) == expected
+    assert _normalize(trainer.val_set.transform) == expected
+    assert tuple(trainer.ema.module.pretrained_cfg["mean"]) == expected[0]
+
+
+def test_resume_matches_an_uninterrupted_run(two_classes, tiny_model_dir, tmp_path):
+    """2 epochs + a resume to 4 end where 4 epochs straight end: weights and the resumed epochs' metrics.
+
+    Deterministic augmentation (whole square images, no flip) and a constant LR (min_lr = the scaled LR),
+    so that the only state carried across the resume is the checkpoint's.
+    """
+    lr = 0.02 * 4 / 512  # the LR the trainer derives for a batch of 4
+    options = dict(TINIEST, data=str(two_classes), pretrained=str(tiny_model_dir), min_lr=lr, scale=(1.0, 1.0),
+                   ratio=(1.0, 1.0), hflip=0.0, max_steps_per_epoch=3)
+    finetune(output=str(tmp_path / "a"), **dict(options, epochs=2))
+    finetune(resume=tmp_path / "a", epochs=4)
+    finetune(output=str(tmp_path / "b"), **dict(options, epochs=4))
+    resumed, straight = load_checkpoint(tmp_path / "a"), load_checkpoint(tmp_path / "b")
+    assert resumed["global_step"] == straight["global_step"] == 12
+    for key, value in straight["model"].items():
+        torch.testing.assert_close(resumed["model"][key], value, atol=1e-6, rtol=1e-5, msg=key)
+    for row_a, row_b in zip(_rows(tmp_path / "a")[2:], _rows(tmp_path / "b")[2:]):
+        assert (row_a["train_loss"], row_a["val_loss"]) == (row_b["train_loss"], row_b["val_loss"])
+
+
+def test_checkpoint_is_never_unpickled(two_classes, tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    finetune(data=str(two_classes), pretrained=str(tiny_model_dir), output=str(out), **TINIEST)
+    torch.load(out / CHECKPOINT, weights_only=True)  # RNG states are tensors and plain values
+
+    marker = tmp_path / "code-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.mkdir, (str(marker),)
+
+    state = torch.load(out / CHECKPOINT, weights_only=True)
+    state["rng"]["python"] = Payload()
+    torch.save(state, out / CHECKPOINT)
+    with pytest.raises(VitftError, match="never unpickled"):
+        finetune(resume=out, epochs=2)
+    assert not marker.exists()
+
+
+def test_overwrite_checks_everything_before_replacing_the_old_run(run, two_classes, tiny_model_dir, tmp_path,
+                                                                  monkeypatch):
+    old = tmp_path / "old"
+    subprocess.run(["cp", "-r", str(run[0]), str(old)], check=True)
+    before = sorted(p.name for p in old.iterdir())
+    bad = [dict(data=str(tmp_path / "typo")), dict(data=str(two_classes), pretrained="vit_bse_patch16_224"),
+           dict(data=str(two_classes), epochs=0)]
+    for options in bad:
+        with pytest.raises(VitftError):
+            finetune(output=str(old), overwrite=True, **{**TINIEST, "pretrained": str(tiny_model_dir), **options})
+        assert sorted(p.name for p in old.iterdir()) == before, options
+
+    def crash(self, progress):
+        raise RuntimeError("power cut")
+
+    monkeypatch.setattr(Trainer, "run", crash)
+    with pytest.raises(RuntimeError):
+        finetune(data=str(two_classes), pretrained=str(tiny_model_dir), output=str(old), overwrite=True, **TINIEST)
+    kept = list(tmp_path.glob("old.replaced-*"))
+    assert len(kept) == 1 and sorted(p.name for p in kept[0].iterdir()) == before  # a crash leaves the old run
+    monkeypatch.undo()
+
+    finetune(data=str(two_classes), pretrained=str(tiny_model_dir), output=str(old), overwrite=True, **TINIEST)
+    assert json.loads((old / "train_config.json").read_text())["data"] == str(two_classes)
+    assert len(list(tmp_path.glob("old.replaced-*"))) == 1  # only the crashed run's; this run's was removed
+
+
+def test_one_class_is_an_error_before_training(tmp_path, tiny_model_dir):
+    data = make_images(tmp_path / "data", {"forest": 10})
+    with pytest.raises(VitftError, match="at least two class"):
+        finetune(data=str(data), pretrained=str(tiny_model_dir), output=str(tmp_path / "run"), val_split=0.2,
+                 **TINIEST)
+    assert not (tmp_path / "run").exists()
+
+
+def test_default_weights_follow_the_model(two_classes, tmp_path):
+    """No --pretrained: the --model's default weights (here not in an empty offline HF cache), not vit_b_16's."""
+    (tmp_path / "hf").mkdir()
+    env = dict(_cli_env(), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "vit_finetune", "finetune", "--data", str(two_classes), "--model",
+           "vit_tiny_patch16_224", "--output", str(tmp_path / "run"), "--quiet"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output
+    tag = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
+    assert f"no --pretrained given: using {tag}, the default weights of --model vit_tiny_patch16_224" in output
+    assert f"timm/{tag}" in output and "not in the local HF cache" in output and "vit_b_16" not in output
+
+
+def test_validation_drops_images_that_fail_to_decode(tmp_path, tiny_model_dir, caplog):
+    data = tmp_path / "data"
+    make_images(data / "train", {"buildings": 8, "forest": 8})
+    make_images(data / "val", {"buildings": 2, "forest": 2}, seed=1)
+    noise = np.random.default_rng(0).integers(0, 255, (200, 200, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(data / "val" / "forest" / "truncated.jpg")
+    jpeg = (data / "val" / "forest" / "truncated.jpg").read_bytes()
+    (data / "val" / "forest" / "truncated.jpg").write_bytes(jpeg[: len(jpeg) // 2])  # header fine, decode fails
+    caplog.set_level("INFO", logger="vitft")
+    finetune(data=str(data), pretrained=str(tiny_model_dir), output=str(tmp_path / "run"), **TINIEST)
+    assert _rows(tmp_path / "run")[0]["val_images"] == "4"  # not 5: the replacement is not counted again
+    # the start-up lines say how the CPU is shared between loader workers and torch
+    assert any(re.search(r"\d+ loader worker\(s\) \+ .*thread", r.getMessage()) for r in caplog.records)
+
+
+def test_resume_refuses_options_that_define_the_run(run):
+    for option, value in (("seed", 5), ("val_split", 0.3), ("img_size", 48)):
+        with pytest.raises(VitftError, match=f"keeps its own --{option.replace('_', '-')}"):
+            finetune(resume=run[0], epochs=3, **{option: value})
+    assert load_checkpoint(run[0])["epoch"] == 2  # nothing ran
+
+
+def test_recipe_values_are_coerced_and_checked(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("lr: 1e-3\nepochs: '3'\nema: yes\nscale: [0.5, 1]\nlayer_decay: null\n")
+    cfg = TrainConfig.from_dict(load_recipe(recipe))
+    assert (cfg.lr, cfg.epochs, cfg.ema, cfg.scale, cfg.layer_decay) == (0.001, 3, True, (0.5, 1.0), None)
+    cases = [({"epochs": "ten"}, "option 'epochs' must be an integer, got 'ten'"),
+             ({"lr": "fast"}, "option 'lr' must be a number"),
+             ({"epochs": 2.5}, "'epochs' must be an integer"),
+             ({"ema": "maybe"}, "'ema' must be true or false"),
+             ({"scale": 0.5}, "'scale' must be a list of 2 numbers"),
+             ({"model_kwargs": "depth=6"}, "'model_kwargs' must be a mapping"),
+             ({"epoch": 3}, "epoch (did you mean epochs?)")]
+    for values, message in cases:
+        with pytest.raises(VitftError) as err:
+            TrainConfig.from_dict(values)
+        assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_max_steps_flag_and_warmup_that_covers_the_run(small_intel, tiny_model_dir, tmp_path):
+    out = tmp_path / "short"
+    args = ["finetune", "--data", str(small_intel), "--pretrained", str(tiny_model_dir), "--output", str(out),
+            "--epochs", "1", "--warmup-epochs", "1", "--max-steps-per-epoch", "5", "--batch-size", "8",
+            "--workers", "0", "--quiet"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "would cover most of this 1-epoch run" in result.output and "warmup 0.2 (capped from 1)" in result.output
+    assert json.loads((out / "train_config.json").read_text())["max_steps_per_epoch"] == 5
+    assert load_checkpoint(out)["global_step"] == 5
+
+
+def test_from_scratch_metadata_is_honest(two_classes, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    kwargs = dict(TINY, depth=1)
+    finetune(data=str(two_classes), pretrained="none", model="vit_tiny_patch16_224", model_kwargs=kwargs, **TINIEST)
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert run_dir.name.endswith("-vit_tiny_patch16_224-custom")  # not a stock vit_tiny_patch16_224
+    cfg = json.loads((run_dir / "config.json").read_text())["pretrained_cfg"]
+    assert "tag" not in cfg and "license" not in cfg and cfg["mean"] == [0.5, 0.5, 0.5]

@@ -165,8 +165,11 @@ def test_hf_cache_offline(tmp_path, monkeypatch):
     repo_model = create_model(TINY_ARCH, num_classes=len(CLASSES), **TINY).eval()
     repo_model.pretrained_cfg["label_names"] = list(CLASSES)
     folder = save_pretrained(repo_model, tmp_path / "repo")
+    other = {k: torch.randn_like(v) for k, v in repo_model.state_dict().items()}
+    torch.save(other, tmp_path / "pytorch_model.bin")  # other weights: repo_diff below shows which file loaded
     put_in_hf_cache(hf_home, "someorg/somerepo",
-                    {"config.json": folder / "config.json", "model.safetensors": folder / "model.safetensors"})
+                    {"config.json": folder / "config.json", "model.safetensors": folder / "model.safetensors",
+                     "pytorch_model.bin": tmp_path / "pytorch_model.bin"})  # both: safetensors is preferred
 
     x = image(224)
     expected = tmp_path / "expected.pt"

@@ -110,7 +110,7 @@ def _parse_kwargs(pairs: list[str]) -> dict:
 @command("finetune")
 def finetune_cmd(
     data: Optional[str] = typer.Option(None, "--data", help="Image folder: class folders, train/ + val/, or the Intel layout."),
-    pretrained: Optional[str] = typer.Option(None, help="Weights: vit_b_16, arch.tag, hf-hub:org/repo, a folder or file, or 'none'. (default: vit_b_16)"),
+    pretrained: Optional[str] = typer.Option(None, help="Weights: vit_b_16, arch.tag, hf-hub:org/repo, a folder or file, or 'none'. (default: --model's default weights, else vit_b_16)"),
     model: Optional[str] = typer.Option(None, "--model", help="Architecture, where the weights do not imply it."),
     model_kwargs: Optional[list[str]] = typer.Option(None, "--model-kwargs", help="Architecture overrides KEY=VALUE (repeatable), e.g. patch_size=8."),
     recipe: Optional[Path] = typer.Option(None, help="YAML recipe; flags override it."),
@@ -119,7 +119,7 @@ def finetune_cmd(
     batch_size: Optional[int] = typer.Option(None, help="Images per step per process. (default: 64)"),
     lr: Optional[float] = typer.Option(None, help="Base LR per 512 images (scaled by the effective batch). (default: 5e-4)"),
     img_size: Optional[int] = typer.Option(None, help="Training resolution (position embedding resized). (default: the weights')"),
-    workers: Optional[int] = typer.Option(None, help="DataLoader worker processes. (default: cores - 1, at most 8)"),
+    workers: Optional[int] = typer.Option(None, help="DataLoader worker processes. (default: chosen with torch's threads from the work and the cores; the start-up lines say which)"),
     seed: Optional[int] = typer.Option(None, help="Random seed. (default: 0)"),
     output: Optional[str] = typer.Option(None, help="Run folder. (default: runs/<date>-<model>)"),
     overwrite: Optional[bool] = typer.Option(None, "--overwrite", help="Replace an existing run folder."),
@@ -144,6 +144,7 @@ def finetune_cmd(
     grad_checkpointing: Optional[bool] = typer.Option(None, "--grad-checkpointing", help="Trade compute for memory."),
     device: Optional[str] = typer.Option(None, help="auto, cpu, cuda or mps. (default: auto)"),
     save_every: Optional[int] = typer.Option(None, help="Also checkpoint every N optimizer steps."),
+    max_steps_per_epoch: Optional[int] = typer.Option(None, help="Cap the optimizer steps per epoch (quick looks, smoke tests)."),
     tensorboard: Optional[bool] = typer.Option(None, "--tensorboard", help="Write TensorBoard logs."),
     push_to_hub: Optional[str] = typer.Option(None, help="Push the best model to this Hub repo when training ends."),
     quiet: Optional[bool] = typer.Option(None, "--quiet", help="Log lines only, no progress bars."),

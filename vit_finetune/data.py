@@ -26,7 +26,7 @@ from timm.data.constants import DEFAULT_CROP_PCT, IMAGENET_DEFAULT_MEAN, IMAGENE
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, get_worker_info
 
 from vit_finetune.errors import VitftError
-from vit_finetune.runtime import fit_cpu_threads
+from vit_finetune.runtime import CpuPlan, fit_cpu_threads, torch_threads
 
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # albumentations would otherwise ask PyPI on every import
 import albumentations as A  # noqa: E402
@@ -345,6 +345,7 @@ class ImageDataset(Dataset):
         self.paths, self.labels, self.sizes = (list(column) for column in zip(*good))
         self.failed = torch.zeros(len(self.paths), dtype=torch.bool).share_memory_()  # set by any worker
         self.transform, self.return_index, self.name, self.cache = transform, return_index, name, cache
+        self.img_size = img_size
         side = max(_hw(img_size)) if img_size else None
         self.cache_side = math.ceil(1.15 * max(side / crop_pct, side)) if cache and side else None
         self._cache: torch.Tensor | None = None
@@ -426,17 +427,33 @@ class ImageDataset(Dataset):
 
 
 class _Loader(DataLoader):
-    """A DataLoader that reports the images its ImageDataset skipped at the end of every pass."""
+    """A DataLoader that runs torch with its plan's threads while iterated (restored after), and reports the
+    images its ImageDataset skipped at the end of every pass."""
+
+    cpu_plan: CpuPlan | None = None
 
     def __iter__(self):
-        yield from super().__iter__()
+        with torch_threads(self.cpu_plan.threads if self.cpu_plan else None):
+            yield from super().__iter__()
         if isinstance(self.dataset, ImageDataset):
             self.dataset.report_skipped()
 
 
-def default_workers() -> int:
-    """One core stays free for the main process; more than 8 workers rarely help a single GPU."""
-    return max(0, min(8, (os.cpu_count() or 1) - 1))
+# Single-core costs per image, measured on a 2-core Xeon: decoding a JPEG ~18 ns per file pixel, augmenting
+# ~10 ns per output pixel, a ViT-Ti step (forward + backward) ~4 us per input pixel (larger ViTs cost more),
+# inference about a third of a step.
+_DECODE_MS_PER_PIXEL, _AUGMENT_MS_PER_PIXEL, _STEP_MS_PER_PIXEL = 18e-6, 10e-6, 4e-3
+
+
+def _work_per_image(dataset: Dataset, train: bool) -> tuple[float, float]:
+    """(data, model) single-core milliseconds per image: what fit_cpu_threads divides the cores by."""
+    h, w = _hw(getattr(dataset, "img_size", None) or 224)
+    data_ms = _AUGMENT_MS_PER_PIXEL * h * w
+    sizes = getattr(dataset, "sizes", None)
+    if sizes and not getattr(dataset, "cache", False):  # cached images are decoded once, not at every step
+        sample = sizes[:: max(1, len(sizes) // 256)]
+        data_ms += _DECODE_MS_PER_PIXEL * sum(sw * sh for sw, sh in sample) / len(sample)
+    return data_ms, _STEP_MS_PER_PIXEL * h * w / (1 if train else 3)
 
 
 def build_loader(
@@ -452,11 +469,13 @@ def build_loader(
     """Batches for training (shuffled, seeded, full batches only) or evaluation (in order, all samples).
 
     With distributed=True (torch.distributed initialised) each rank gets its shard from a DistributedSampler;
-    call loader.sampler.set_epoch(epoch) every epoch to reshuffle.
+    call loader.sampler.set_epoch(epoch) every epoch to reshuffle. workers=None chooses the workers with torch's
+    threads (runtime.fit_cpu_threads); `loader.cpu_plan` says what was chosen. torch runs with the plan's threads
+    only while the loader is iterated: its previous count comes back after.
     """
-    workers = default_workers() if workers is None else workers
     processes = torch.distributed.get_world_size() if distributed else 1
-    fit_cpu_threads(torch.device(device_type), workers, processes)  # the workers' cores are not torch's
+    plan = fit_cpu_threads(torch.device(device_type), workers, processes, *_work_per_image(dataset, train))
+    workers = plan.workers
     if isinstance(dataset, ImageDataset):
         dataset.fill_cache()  # before the workers fork, so they share it
     _seed_transform(dataset, seed)  # workers reseed their copy in _init_worker
@@ -465,7 +484,7 @@ def build_loader(
     else:  # the shuffle gets its own generator, so an epoch's order depends on the epoch's seed alone (resume)
         sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(seed)) if train else None
     rank = torch.distributed.get_rank() if distributed else 0  # ranks augment with different random streams
-    return _Loader(
+    loader = _Loader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
@@ -476,6 +495,8 @@ def build_loader(
         worker_init_fn=_init_worker,
         generator=torch.Generator().manual_seed(seed + rank),
     )
+    loader.cpu_plan = plan
+    return loader
 
 
 def _seed_transform(dataset: Dataset, seed: int) -> None:

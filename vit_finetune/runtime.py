@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -54,14 +55,61 @@ def compute_context(device: torch.device, precision: str) -> Iterator[None]:
         yield
 
 
-def fit_cpu_threads(device: torch.device, workers: int, processes: int = 1) -> None:
-    """On the CPU, give torch only the cores that loader workers and sibling processes leave free.
+@dataclass(frozen=True)
+class CpuPlan:
+    """How a loader shares the CPU: its worker processes, and torch's threads while it runs."""
 
-    OpenMP threads that share a core with a busy worker wait on each other at every op: on a
-    2-core machine, 2 torch threads beside 1 loader worker run ~100x slower than 1 thread.
-    An explicit OMP_NUM_THREADS wins.
+    workers: int
+    threads: Optional[int]  # None: torch keeps its own setting (not the CPU, or OMP_NUM_THREADS is set)
+    why: str  # one line for the start-up log
+
+    def describe(self) -> str:
+        threads = f"{self.threads} torch thread(s)" if self.threads else f"torch's {torch.get_num_threads()} thread(s)"
+        return f"{self.workers} loader worker(s) + {threads} ({self.why})"
+
+
+def cpu_cores(processes: int = 1) -> int:
+    """The cores this process may use (its affinity mask), shared evenly among `processes`."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(processes, 1))
+
+
+def fit_cpu_threads(device: torch.device, workers: Optional[int], processes: int = 1, data_ms: float = 1.0,
+                    model_ms: float = 200.0) -> CpuPlan:
+    """Choose loader workers (when not given) and torch threads together, from the work per image.
+
+    On the CPU, OpenMP threads that share a core with a busy worker wait on each other at every op (2 torch
+    threads beside 1 worker on 2 cores: ~100x slower than 1 thread), so a worker costs torch a whole core.
+    With c cores, data work D and model work M per image (single-core ms), 0 workers take D + M/c per
+    image and w workers max(D/w, M/(c-w)): a worker pays off only when D > M/(c(c-1)), and then the data
+    gets its share D/(D+M) of the cores. ViT steps dwarf cached augmentation (0.2-0.5 ms against 20-600 ms
+    per image on one core), so small CPUs train fastest with no worker at all. An explicit OMP_NUM_THREADS
+    wins over the thread count. Off the CPU, torch's threads barely matter: workers default to cores - 1 (<= 8).
     """
-    if device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
-        return
-    free = (os.cpu_count() or 1) // max(processes, 1) - workers
-    torch.set_num_threads(max(1, free))
+    cores = cpu_cores(processes)
+    if device.type != "cpu":
+        chosen = max(0, min(8, cores - 1)) if workers is None else workers
+        return CpuPlan(chosen, None, f"{device.type}: workers feed the accelerator")
+    share = data_ms / max(data_ms + model_ms, 1e-9)
+    why = f"data ~{data_ms:.2g} ms vs model ~{model_ms:.2g} ms per image on {cores} core(s)"
+    if workers is None:
+        pays_off = cores > 1 and data_ms * cores * (cores - 1) > model_ms
+        workers = min(cores - 1, max(1, round(cores * share))) if pays_off else 0
+    else:
+        why = f"--workers {workers} on {cores} core(s)"
+    if "OMP_NUM_THREADS" in os.environ:
+        return CpuPlan(workers, None, why + ", OMP_NUM_THREADS set")
+    return CpuPlan(workers, max(1, cores - workers), why)
+
+
+@contextlib.contextmanager
+def torch_threads(threads: Optional[int]) -> Iterator[None]:
+    """torch.set_num_threads(threads) for the block, then the previous count again (None: no change)."""
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if threads and torch.get_num_threads() != previous:
+            torch.set_num_threads(previous)

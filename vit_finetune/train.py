@@ -10,18 +10,21 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
+import difflib
 import io
 import json
 import logging
 import os
 import random
 import signal
+import shutil
 import time
+import typing
 from dataclasses import dataclass, field
 from datetime import datetime
 from itertools import islice
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -29,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .archs import get_arch, split_name
 from .data import DatasetSplits, ImageDataset, build_loader, build_transforms, find_dataset
 from .errors import VitftError
 from .runtime import check_precision, compute_context, resolve_device
@@ -44,7 +48,8 @@ class TrainConfig:
     """Every option of a run; recipes (YAML) and CLI flags set these fields by name."""
 
     data: str = ""
-    pretrained: str = "vit_b_16"  # anything create_model accepts as weights, or 'none' (random init)
+    pretrained: Optional[str] = None  # anything create_model accepts as weights, or 'none' (random init);
+    # None: the default weights of `model` (e.g. vit_small_patch16_224.augreg_in21k_ft_in1k), else vit_b_16
     model: Optional[str] = None  # architecture, where the weights do not imply it
     model_kwargs: dict = field(default_factory=dict)  # architecture overrides, e.g. {'patch_size': 8}
     img_size: Optional[int] = None  # default: the weights' input size
@@ -90,15 +95,69 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> "TrainConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - names)
+        """Options by name, each coerced to its field's type (YAML's '1e-3' string -> 0.001); a bad or unknown
+        key is a one-line error that names it."""
+        types = typing.get_type_hints(cls)
+        unknown = sorted(set(values) - set(types))
         if unknown:
-            raise VitftError(f"unknown option(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
-        values = {k: tuple(v) if k in ("scale", "ratio") else v for k, v in values.items()}
-        return cls(**values)
+            named = [k + _did_you_mean(k, types) for k in unknown]
+            raise VitftError(f"unknown option(s) {', '.join(named)}; valid: {', '.join(sorted(types))}")
+        return cls(**{k: _coerce(k, v, types[k]) for k, v in values.items()})
 
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+def _did_you_mean(key: str, names) -> str:
+    close = difflib.get_close_matches(key, list(names), n=3, cutoff=0.6)
+    return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+               dict: "a mapping of KEY: VALUE"}
+_BOOLS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """`value` as a `hint` (a TrainConfig field's type), or a VitftError naming the key and the type."""
+    optional = typing.get_origin(hint) is Union and type(None) in typing.get_args(hint)
+    if optional:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        if value is None or (hint is not str and str(value).strip().lower() in ("none", "null")):
+            return None
+    items = typing.get_args(hint) if typing.get_origin(hint) is tuple else None
+    try:
+        if items is not None:
+            if not isinstance(value, (list, tuple)) or len(value) != len(items):
+                raise TypeError
+            return tuple(_scalar(v, t) for v, t in zip(value, items))
+        if hint is dict:
+            if not isinstance(value, dict):
+                raise TypeError
+            return dict(value)
+        return _scalar(value, hint)
+    except (TypeError, ValueError, OverflowError):
+        expected = f"a list of {len(items)} numbers" if items is not None else _TYPE_NAMES[hint]
+        raise VitftError(f"option {key!r} must be {expected}{' or null' if optional else ''}, got {value!r}") from None
+
+
+def _scalar(value: Any, kind: type) -> Any:
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, (str, int)) and str(value).strip().lower() in _BOOLS:
+            return _BOOLS[str(value).strip().lower()]
+        raise ValueError
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):  # True is an int to Python, not here
+        raise TypeError
+    if kind is int:
+        number = float(value) if isinstance(value, str) else value
+        if number != int(number):
+            raise ValueError
+        return int(number)
+    if kind is float:
+        return float(value)
+    return str(value)
 
 
 def load_recipe(path: str | Path) -> dict:
@@ -169,22 +228,45 @@ def build_model(cfg: TrainConfig, num_classes: int):
     overrides = dict(cfg.model_kwargs, drop_path_rate=cfg.drop_path)
     overrides.pop("num_classes", None)  # always the data's
     img_size = cfg.img_size or overrides.pop("img_size", None)
+    pretrained = cfg.pretrained if cfg.pretrained is not None else _default_pretrained(cfg.model)
     if _scratch(cfg):
         name, weights = cfg.model or "vit_b_16", False
     else:
-        name, weights = (cfg.model, cfg.pretrained) if cfg.model else (cfg.pretrained, True)
-        if not cfg.model and Path(str(cfg.pretrained)).is_file():
-            raise VitftError(f"--pretrained {cfg.pretrained} is a bare weights file: add --model ARCH")
+        name, weights = (cfg.model, pretrained) if cfg.model else (pretrained, True)
+        if not cfg.model and Path(str(pretrained)).is_file():
+            raise VitftError(f"--pretrained {pretrained} is a bare weights file: add --model ARCH")
     return create_model(name, pretrained=weights, num_classes=num_classes, img_size=img_size, **overrides)
 
 
 def _scratch(cfg: TrainConfig) -> bool:
-    return str(cfg.pretrained).lower() in ("none", "", "false")
+    return cfg.pretrained is not None and str(cfg.pretrained).lower() in ("none", "", "false")
+
+
+def _default_pretrained(model: Optional[str]) -> str:
+    """The weights a run uses when --pretrained is not given: the --model's own (its tag, else its
+    architecture's default tag), or vit_b_16 when no model is named either."""
+    if not model:
+        return "vit_b_16"
+    arch, tag = split_name(model)
+    tag = tag or get_arch(arch).default_tag
+    if not tag:
+        raise VitftError(f"{arch} has no pretrained weights; pass --pretrained none to train it from scratch, "
+                         "or --pretrained with a weights file")
+    return f"{arch}.{tag}"
 
 
 def _default_run_dir(cfg: TrainConfig) -> Path:
-    name = (cfg.model or cfg.pretrained or "vit").replace("/", "_").replace(":", "_")
-    return Path("runs") / f"{datetime.now():%Y%m%d-%H%M%S}-{Path(name).name}"
+    """runs/<date>-<model>, plus the overridden model args (or 'custom' when they are many): the name must not
+    claim a stock architecture for a model with other depth, patch or input size."""
+    name = Path((cfg.model or cfg.pretrained or "vit").replace("/", "_").replace(":", "_")).name
+    overrides = {k: v for k, v in cfg.model_kwargs.items() if k != "num_classes"}
+    if cfg.img_size:
+        overrides["img_size"] = cfg.img_size
+    if overrides:
+        suffix = "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+        plain = len(suffix) <= 40 and all(isinstance(v, (int, float, str)) for v in overrides.values())
+        name += "-" + (suffix.replace("/", "_") if plain else "custom")
+    return Path("runs") / f"{datetime.now():%Y%m%d-%H%M%S}-{name}"
 
 
 def _set_backbone_trainable(model: nn.Module, trainable: bool) -> None:
@@ -196,7 +278,7 @@ class Metrics:
     """metrics.csv and curves.png, rewritten atomically after every epoch (rank 0 only)."""
 
     FIELDS = ["epoch", "train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_s", "seconds",
-              "data_wait", "peak_mem_gb"]
+              "data_wait", "peak_mem_gb", "val_images"]
 
     def __init__(self, run_dir: Path, rows: list[dict]):
         self.path = run_dir / "metrics.csv"
@@ -277,6 +359,10 @@ class Trainer:
         if not self.splits.val:
             raise VitftError(f"no validation images found in {cfg.data}; add a val/ folder or use --val-split")
         self.classes = self.splits.classes
+        if len(self.classes) < 2:
+            raise VitftError(f"{cfg.data} has {len(self.classes)} class ({', '.join(self.classes)}): a classifier "
+                             "needs at least two class folders")
+        self.resumed = resume_state is not None
         if resume_state is None:
             self.model = build_model(cfg, len(self.classes))
         else:  # same architecture and hyperparameters; the weights come from the checkpoint
@@ -286,6 +372,10 @@ class Trainer:
                                  f"{', '.join(self.classes)}; resume with the same data")
             self.model = create_model(resume_state["pretrained_cfg"]["architecture"], num_classes=len(self.classes),
                                       **resume_state["model_args"])
+            # the run's weights and preprocessing, before the data and the EMA copy are built from them
+            self.model.load_state_dict(resume_state["model"])
+            self.model.pretrained_cfg = dict(resume_state["pretrained_cfg"])
+            self.model.model_args = resume_state["model_args"]
         self.model.pretrained_cfg["label_names"] = list(self.classes)
         self.img_size = tuple(self.model.patch_embed.img_size)
         self.model.to(self.device)
@@ -302,7 +392,9 @@ class Trainer:
             _set_backbone_trainable(self.model, False)
         self._wrap()
         self.metrics = Metrics(run_dir, self.rows)
-        self.tb = self._tensorboard() if cfg.tensorboard and self.ddp.main else None
+        # the writer is made when the run starts: nothing may be written into a run folder being replaced
+        self._tb_writer = self._tensorboard_writer() if cfg.tensorboard and self.ddp.main else None
+        self.tb = None
 
     # -- setup
     def _build_data(self) -> None:
@@ -313,10 +405,11 @@ class Trainer:
         crop_pct = pcfg.get("crop_pct", 0.875)
         self.train_set = ImageDataset(self.splits.train, train_tf, cache=cfg.cache, img_size=self.img_size,
                                       crop_pct=crop_pct, name="train")
-        # each rank evaluates its own slice of the validation set, so nothing is counted twice
+        # each rank evaluates its own slice of the validation set, so nothing is counted twice; a rank left
+        # without images (fewer than processes) validates nothing and adds zeros to the sums
         val_part = self.splits.val[self.ddp.rank::self.ddp.world]
         self.val_set = ImageDataset(val_part, eval_tf, cache=cfg.cache, img_size=self.img_size, crop_pct=crop_pct,
-                                    name="val")
+                                    return_index=True, name="val") if val_part else None
         if len(self.train_set) < cfg.batch_size * self.ddp.world:
             raise VitftError(f"only {len(self.train_set)} training images for a batch of {cfg.batch_size}; "
                              "lower --batch-size")
@@ -324,7 +417,7 @@ class Trainer:
         self.train_loader = build_loader(self.train_set, cfg.batch_size, True, cfg.workers, device_type,
                                          self.ddp.enabled, cfg.seed)
         self.val_loader = build_loader(self.val_set, cfg.batch_size, False, cfg.workers, device_type, False,
-                                       cfg.seed)
+                                       cfg.seed) if self.val_set is not None else ()
         if len(self.train_loader) < cfg.accum_steps:
             raise VitftError(f"an epoch has {len(self.train_loader)} batches, fewer than --accum-steps "
                              f"{cfg.accum_steps}; lower --accum-steps or --batch-size")
@@ -348,8 +441,15 @@ class Trainer:
         self.layer_decay = layer_decay if layer_decay and layer_decay < 1 else None
         self.optimizer = create_optimizer_v2(self.model, opt=cfg.opt, lr=self.lr, weight_decay=cfg.weight_decay,
                                              layer_decay=self.layer_decay)
+        self.warmup_epochs = cfg.warmup_epochs
+        if cfg.warmup_epochs * 2 > cfg.epochs:  # else the run is all warmup and ends by jumping to min_lr
+            self.warmup_epochs = round(cfg.epochs * self.steps_per_epoch / 5) / self.steps_per_epoch
+            if self.ddp.main:
+                log.warning("--warmup-epochs %d would cover most of this %d-epoch run (ending it at min_lr, with no "
+                            "phase at full LR); warming up for a fifth of the run instead: %.3g epoch(s)",
+                            cfg.warmup_epochs, cfg.epochs, self.warmup_epochs)
         self.scheduler, _ = create_scheduler_v2(
-            self.optimizer, sched="cosine", num_epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs,
+            self.optimizer, sched="cosine", num_epochs=cfg.epochs, warmup_epochs=self.warmup_epochs,
             min_lr=cfg.min_lr, warmup_lr=min(1e-6, self.lr), step_on_epochs=False,
             updates_per_epoch=self.steps_per_epoch)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
@@ -372,12 +472,13 @@ class Trainer:
             module = torch.compile(module)
         self.net = module
 
-    def _tensorboard(self):
+    @staticmethod
+    def _tensorboard_writer():
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:
             raise VitftError("--tensorboard needs the tensorboard package: pip install tensorboard") from err
-        return SummaryWriter(str(self.run_dir / "tensorboard"))
+        return SummaryWriter
 
     # -- checkpoints
     def _state(self) -> dict:
@@ -390,7 +491,7 @@ class Trainer:
             "ema": self.ema.state_dict() if self.ema else None,
             "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
             "best_top1": self.best_top1, "best_epoch": self.best_epoch, "rows": self.rows,
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            "rng": _rng_state(),
             "config": self.cfg.to_dict(),
         }
 
@@ -400,9 +501,7 @@ class Trainer:
             atomic_write(self.run_dir / CHECKPOINT, lambda tmp: torch.save(state, tmp))
 
     def _restore(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.model.pretrained_cfg = state["pretrained_cfg"]
-        self.model.model_args = state["model_args"]
+        """The optimisation state; the model's weights and config were restored before anything was built."""
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
         if self.ema and state["ema"]:
@@ -411,9 +510,7 @@ class Trainer:
         # the schedule is a function of the step: rebuilt from this run's options, so more --epochs extend it
         self.scheduler.step_update(self.global_step)
         self.best_top1, self.best_epoch, self.rows = state["best_top1"], state["best_epoch"], state["rows"]
-        torch.set_rng_state(state["rng"]["torch"])
-        np.random.set_state(state["rng"]["numpy"])
-        random.setstate(state["rng"]["python"])
+        _set_rng_state(state["rng"])
         if self.cfg.freeze_backbone:
             unfrozen = self.cfg.unfreeze_after is not None and self.epoch >= self.cfg.unfreeze_after
             _set_backbone_trainable(self.model, unfrozen)
@@ -430,15 +527,22 @@ class Trainer:
         cfg = self.cfg
         counts = self.splits.class_counts()
         per_class = ", ".join(f"{c} {counts['train'].get(c, 0)}/{counts['val'].get(c, 0)}" for c in self.classes)
+        weights = describe_weights(self.model)
+        if self.resumed:  # the first line names the run's checkpoint, not the weights it started from
+            weights[0] = (f"weights: this run's checkpoint {self.run_dir / CHECKPOINT} (the run started from "
+                          f"{self.model.pretrained_cfg.get('source')})")
+        plan = self.train_loader.cpu_plan
+        warmup = f"{self.warmup_epochs:.3g}" + (f" (capped from {cfg.warmup_epochs})" if self.warmup_epochs !=
+                                                cfg.warmup_epochs else "")
         lines = [
-            *describe_weights(self.model),
+            *weights,
             f"data: {cfg.data} [{self.splits.layout}]: {len(self.classes)} classes, "
             f"{len(self.splits.train)} train / {len(self.splits.val)} val images (train/val per class: {per_class})",
             f"device: {self.device}{f' x{self.ddp.world} processes' if self.ddp.enabled else ''}, precision {self.precision}"
-            f"{', torch.compile' if cfg.compile else ''}",
+            f"{', torch.compile' if cfg.compile else ''}; {plan.describe()}",
             f"optimizer: {cfg.opt}, effective batch {self.effective_batch} = {cfg.batch_size} x {cfg.accum_steps} accum x "
             f"{self.ddp.world} proc; lr {self.lr:.3g} = {cfg.lr:g} x {self.effective_batch}/{cfg.lr_base_size}; "
-            f"layer decay {self.layer_decay or 'off'}; {cfg.epochs} epochs x {self.steps_per_epoch} steps, warmup {cfg.warmup_epochs}",
+            f"layer decay {self.layer_decay or 'off'}; {cfg.epochs} epochs x {self.steps_per_epoch} steps, warmup {warmup}",
         ]
         if getattr(self.model, "head_dist", None) is not None:
             lines.append("distilled model (DeiT): no teacher, so both heads (head, head_dist) are trained on the labels "
@@ -468,12 +572,12 @@ class Trainer:
             last_micro = (i + 1) % cfg.accum_steps == 0
             sync = last_micro or not self.ddp.enabled
             ctx = self.net.no_sync() if not sync and hasattr(self.net, "no_sync") else contextlib.nullcontext()
-            with ctx, compute_context(self.device, self.precision):
-                loss = self.train_loss_fn(self.net(images), targets)
-            if not torch.isfinite(loss):
-                raise VitftError(f"loss became {loss.item()} at epoch {epoch + 1} step {i}; lower --lr or use "
-                                 "--precision fp32/bf16")
-            with ctx:
+            with ctx:  # one context for forward and backward: a no_sync() context can be entered only once
+                with compute_context(self.device, self.precision):
+                    loss = self.train_loss_fn(self.net(images), targets)
+                if not torch.isfinite(loss):
+                    raise VitftError(f"loss became {loss.item()} at epoch {epoch + 1} step {i}; lower --lr or use "
+                                     "--precision fp32/bf16")
                 self.scaler.scale(loss / cfg.accum_steps).backward()
             loss_sum += loss.item() * images.shape[0]
             seen += images.shape[0]
@@ -514,8 +618,14 @@ class Trainer:
         model.eval()
         loss_sum = correct1 = correct5 = count = 0.0
         k = min(5, len(self.classes))
-        for images, targets in self.val_loader:
-            images, targets = images.to(self.device), targets.to(self.device)
+        done = 0
+        for images, targets, used in self.val_loader:
+            # an image that failed to decode was replaced by another (used != requested): drop it, as evaluate does
+            keep = used == torch.arange(done, done + len(used))
+            done += len(used)
+            if not keep.any():
+                continue
+            images, targets = images[keep].to(self.device), targets[keep].to(self.device)
             with compute_context(self.device, self.precision):
                 logits = model(images)
             loss_sum += F.cross_entropy(logits.float(), targets, reduction="sum").item()
@@ -524,12 +634,15 @@ class Trainer:
             correct5 += (topk == targets[:, None]).any(dim=1).sum().item()
             count += targets.numel()
         loss_sum, correct1, correct5, count = _all_sum([loss_sum, correct1, correct5, count], self.ddp, self.device)
+        if not count:
+            raise VitftError("none of the validation images could be decoded")
         return {"val_loss": loss_sum / count, "val_top1": correct1 / count,
-                "val_top5": correct5 / count if len(self.classes) > 5 else None}
+                "val_top5": correct5 / count if len(self.classes) > 5 else None, "val_images": int(count)}
 
     def run(self, progress) -> RunResult:
         cfg = self.cfg
         interrupted = False
+        self.tb = self._tb_writer(str(self.run_dir / "tensorboard")) if self._tb_writer else None
         with _StopFlag() as self.stop:
             while self.epoch < cfg.epochs:
                 if cfg.freeze_backbone and cfg.unfreeze_after is not None and self.epoch == cfg.unfreeze_after \
@@ -552,7 +665,7 @@ class Trainer:
                 if self.ema is not None:
                     candidates.append((self.ema.module, self.validate(self.ema.module)))
                 best_model, scores = max(candidates, key=lambda c: c[1]["val_top1"])
-                row.update({k: (round(v, 5) if v is not None else None) for k, v in scores.items()})
+                row.update({k: (round(v, 5) if isinstance(v, float) else v) for k, v in scores.items()})
                 if self.ema is not None:
                     row["ema"] = best_model is self.ema.module
                 self.epoch += 1
@@ -606,9 +719,56 @@ def _progress(quiet: bool, enabled: bool):
                     disable=quiet or not enabled, transient=True)
 
 
-def _prepare_run_dir(cfg: TrainConfig) -> Path:
+def _rng_state() -> dict:
+    """Every RNG's state as tensors and plain numbers, so that a checkpoint loads with weights_only=True."""
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, words, gauss_next = random.getstate()
+    return {"torch": torch.get_rng_state(),
+            "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+                      "gauss": float(gauss)},
+            "python": {"version": version, "words": list(words), "gauss_next": gauss_next}}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    numpy = state["numpy"]
+    np.random.set_state(("MT19937", numpy["keys"].numpy().astype(np.uint32), numpy["pos"], numpy["has_gauss"],
+                         numpy["gauss"]))
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["words"]), python["gauss_next"]))
+
+
+def load_checkpoint(run_dir: Path) -> dict:
+    """A run's last/checkpoint.pt, read with weights_only=True: a run folder from someone else cannot run code."""
+    path = run_dir / CHECKPOINT
+    if not path.is_file():
+        raise VitftError(f"{run_dir} has no {CHECKPOINT} to resume from; is it a vitft run folder?")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001
+        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise VitftError(f"cannot read {path} as a checkpoint of tensors and plain values (it is never unpickled "
+                         f"with code): {why}") from err
+
+
+# options that define a run: a resume that changed them would re-split the data or ignore them
+_RUN_DEFINING = ("seed", "val_split", "img_size", "pretrained", "model", "model_kwargs")
+
+
+def _resume_config(state: dict, options: dict) -> TrainConfig:
+    saved = TrainConfig.from_dict(state["config"])
+    cfg = TrainConfig.from_dict({**state["config"], **options})
+    changed = [k for k in _RUN_DEFINING if getattr(cfg, k) != getattr(saved, k)]
+    if changed:
+        was = ", ".join(f"--{k.replace('_', '-')} {getattr(saved, k)!r} (not {getattr(cfg, k)!r})" for k in changed)
+        raise VitftError(f"a resumed run keeps its own {was}: drop those options, or start a new run to change them")
+    return cfg
+
+
+def _check_run_dir(cfg: TrainConfig) -> Path:
+    """The run folder; an existing one is an error unless --overwrite and it is a run folder (replaced later)."""
     run_dir = Path(cfg.output) if cfg.output else _default_run_dir(cfg)
-    if int(os.environ.get("RANK", "0")) != 0:  # rank 0 alone checks and clears the folder
+    if int(os.environ.get("RANK", "0")) != 0:  # rank 0 alone checks and replaces the folder
         return run_dir
     if run_dir.exists() and any(run_dir.iterdir()):
         if not cfg.overwrite:
@@ -617,52 +777,69 @@ def _prepare_run_dir(cfg: TrainConfig) -> Path:
         if not ((run_dir / "train_config.json").is_file() or (run_dir / CHECKPOINT).is_file()):
             raise VitftError(f"{run_dir} is not a vitft run folder: --overwrite only replaces run folders; "
                              "pick another --output")
-        import shutil
-
-        shutil.rmtree(run_dir)
     return run_dir
+
+
+def _start_run_dir(run_dir: Path) -> Optional[Path]:
+    """Create the folder of a run that is ready to start; a run it replaces (checked by _check_run_dir) is moved
+    aside first, and the caller deletes it when the new run ends: a crash never leaves neither."""
+    replaced = None
+    if run_dir.exists() and any(run_dir.iterdir()):
+        replaced = run_dir.with_name(f"{run_dir.name}.replaced-{datetime.now():%Y%m%d-%H%M%S-%f}")
+        run_dir.rename(replaced)
+        log.info("moved the run being replaced to %s; it is deleted when this run ends", replaced)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return replaced
 
 
 def finetune(config: TrainConfig | dict | None = None, resume: Optional[str | Path] = None, **options: Any) -> RunResult:
     """Fine-tune (or train) a ViT on an image folder; returns where the run is and how it went.
 
     `finetune(data="./intel", pretrained="vit_b_16", epochs=5)` or `finetune(resume="runs/x")`.
+    Everything is checked (data, model, options, Hub token) before an existing run folder is replaced.
     """
+    main = int(os.environ.get("RANK", "0")) == 0
     if resume is not None:
         run_dir = Path(resume)
-        if not (run_dir / CHECKPOINT).is_file():
-            raise VitftError(f"{run_dir} has no {CHECKPOINT} to resume from; is it a vitft run folder?")
-        try:
-            state = torch.load(run_dir / CHECKPOINT, map_location="cpu", weights_only=False)
-        except Exception as err:  # noqa: BLE001
-            raise VitftError(f"cannot read {run_dir / CHECKPOINT}: {err}") from err
-        cfg = TrainConfig.from_dict({**state["config"], **options})
+        state = load_checkpoint(run_dir)
+        cfg = _resume_config(state, options)
         if state["epoch"] >= cfg.epochs:
             raise VitftError(f"{run_dir} already finished {state['epoch']} epochs; raise --epochs to train longer")
     else:
-        if isinstance(config, TrainConfig):
-            cfg = dataclasses.replace(config, **options)
-        else:
-            cfg = TrainConfig.from_dict({**(config or {}), **options})
+        values = config.to_dict() if isinstance(config, TrainConfig) else dict(config or {})
+        cfg = TrainConfig.from_dict({**values, **options})
         if not cfg.data:
             raise VitftError("no data: pass --data DIR (a folder of class folders, train/val, or the Intel layout)")
+        if cfg.pretrained is None:
+            cfg.pretrained = _default_pretrained(cfg.model)
+            if main:
+                log.info("no --pretrained given: using %s, %s", cfg.pretrained,
+                         f"the default weights of --model {cfg.model}" if cfg.model else "the default")
         state = None
-        run_dir = _prepare_run_dir(cfg)
+        run_dir = _check_run_dir(cfg)
     _check_config(cfg)
     if cfg.push_to_hub:
         from .hub import resolve_token
 
         resolve_token()  # no token: fail now, not after hours of training
     trainer = Trainer(cfg, run_dir, state)
+    replaced = None
     if trainer.ddp.main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        replaced = _start_run_dir(run_dir) if state is None else None
         atomic_write(run_dir / "train_config.json", lambda tmp: tmp.write_text(json.dumps(cfg.to_dict(), indent=2)))
         for line in trainer.describe():
             log.info(line)
         if state is not None:
             log.info("resuming %s at epoch %d, step %d", run_dir, trainer.epoch + 1, trainer.step_in_epoch)
-    with _progress(cfg.quiet, trainer.ddp.main) as progress:
-        result = trainer.run(progress)
+    try:
+        with _progress(cfg.quiet, trainer.ddp.main) as progress:
+            result = trainer.run(progress)
+    except BaseException:
+        if replaced is not None:
+            log.warning("the run this one was replacing is kept in %s", replaced)
+        raise
+    if replaced is not None:
+        shutil.rmtree(replaced)
     if trainer.ddp.main and not result.interrupted and cfg.push_to_hub:
         from .hub import push_run
 

@@ -36,6 +36,9 @@ TORCH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
 HEAD_KEYS = ("head.weight", "head.bias", "head_dist.weight", "head_dist.bias")  # head_dist: DeiT distilled
 # pretrained_cfg entries that are about where weights were, not how to use them
 _LOCATION_KEYS = ("url", "file", "hf_hub_id", "hf_hub_filename", "source", "state_dict", "architecture")
+# pretrained_cfg entries that describe trained weights: a randomly initialised model must not claim them
+_WEIGHTS_KEYS = ("tag", "license", "description", "origin_url", "paper_name", "paper_ids", "notes", "label_names",
+                 "label_descriptions", "label_offset")
 _MODEL_ARGS = set(inspect.signature(VisionTransformer.__init__).parameters) - {"self"}
 # config.json key for model arguments timm's VisionTransformer does not take (it has no LayerNorm eps
 # argument): vitft reads them back, timm ignores them (and builds with its own eps)
@@ -256,7 +259,8 @@ def create_model(
     defaults = get_arch(source.arch).kwargs
     model.model_args = {k: v for k, v in kwargs.items()
                         if k != "num_classes" and _plain(v) != _plain(defaults.get(k, _default_arg(k)))}
-    cfg = {k: v for k, v in source.pretrained_cfg.items() if k not in _LOCATION_KEYS}
+    dropped = _LOCATION_KEYS if source.weights is not None else (*_LOCATION_KEYS, *_WEIGHTS_KEYS)
+    cfg = {k: v for k, v in source.pretrained_cfg.items() if k not in dropped}
     if model.num_classes != cfg.get("num_classes"):
         cfg.pop("label_names", None)  # the head was replaced: the old labels no longer apply
     cfg.update(architecture=source.arch, num_classes=model.num_classes, source=source.origin,
