@@ -448,3 +448,82 @@ def test_from_scratch_metadata_is_honest(two_classes, tmp_path, monkeypatch):
     assert run_dir.name.endswith("-vit_tiny_patch16_224-custom")  # not a stock vit_tiny_patch16_224
     cfg = json.loads((run_dir / "config.json").read_text())["pretrained_cfg"]
     assert "tag" not in cfg and "license" not in cfg and cfg["mean"] == [0.5, 0.5, 0.5]
+
+
+# ---- the frozen phase on cached features (issue 10) ------------------------------------------------
+def _count_backbone_images(model: torch.nn.Module) -> list[int]:
+    seen = [0]
+    model.patch_embed.register_forward_hook(lambda module, args, out: seen.__setitem__(0, seen[0] + len(out)))
+    return seen
+
+
+def test_frozen_phase_runs_the_backbone_once_and_validates_as_evaluation_does(two_classes, tiny_model_dir, tmp_path):
+    cfg = TrainConfig(data=str(two_classes), pretrained=str(tiny_model_dir), output=str(tmp_path / "probe"),
+                      freeze_backbone=True, val_split=0.2, precision="fp32", **dict(TINIEST, epochs=6))
+    trainer = Trainer(cfg, tmp_path / "probe")
+    seen = _count_backbone_images(trainer.model)
+    with _quiet_progress() as progress:
+        result = trainer.run(progress)
+    assert result.epochs_done == 6
+    assert seen[0] == 16 + 4  # each training and validation image went through the backbone once, not 6 times
+    best = create_model(f"local-dir:{tmp_path / 'probe'}", pretrained=True)
+    trainer.features = None
+    trainer.epoch = cfg.epochs  # past the frozen phase: validate() runs images through the whole model
+    assert trainer.validate(best)["val_top1"] == pytest.approx(result.best_top1)
+    rows = _rows(tmp_path / "probe")
+    assert len(rows) == 6 and float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"])
+    assert torch.load(tmp_path / "probe" / CHECKPOINT, weights_only=True)["epoch"] == 6
+
+
+def test_head_phase_then_fine_tuning_with_its_own_schedule(two_classes, tiny_model_dir, tmp_path):
+    out = tmp_path / "lpft"
+    cfg = TrainConfig(data=str(two_classes), pretrained=str(tiny_model_dir), output=str(out), freeze_backbone=True,
+                      unfreeze_after=3, head_lr=0.5, feature_views=2, val_split=0.2,
+                      **dict(TINIEST, epochs=5, lr=0.004, warmup_epochs=1))
+    trainer = Trainer(cfg, out)
+    seen = _count_backbone_images(trainer.model)
+    head_group = next(g for g in trainer.optimizer.param_groups if any(p is trainer.model.head.weight
+                                                                         for p in g["params"]))
+    scale = trainer.effective_batch / cfg.lr_base_size
+    assert head_group["lr"] == pytest.approx(0.5 * scale)  # the head phase starts at head_lr, no warmup
+    with _quiet_progress() as progress:
+        trainer.run(progress)
+    steps = trainer.steps_per_epoch
+    assert seen[0] == 2 * 16 + 4 + 2 * steps * cfg.batch_size + 4 * 2  # 2 views + val once, then 2 full epochs
+    trainer.scheduler.step_update(3 * steps)  # the first step after unfreezing: a fresh warmup from ~0
+    assert head_group["lr"] < 1e-5
+    trainer.scheduler.step_update(4 * steps)  # halfway through fine-tuning's own cosine: half its LR (above min_lr)
+    peak = 0.004 * scale * head_group.get("lr_scale", 1.0)
+    assert head_group["lr"] == pytest.approx(cfg.min_lr + 0.5 * (peak - cfg.min_lr))
+    assert any("head phase, epochs 1-3" in line and "2 augmented views" in line for line in trainer.describe())
+    # resumable: more epochs continue from the checkpoint written when the head phase ended
+    result = finetune(resume=str(out), epochs=6)
+    assert result.epochs_done == 6 and len(_rows(out)) == 6
+
+
+def test_feature_set_batches_and_views():
+    from vit_finetune.features import FeatureSet
+
+    features = FeatureSet(torch.arange(10.0)[:, None], torch.arange(10), view_sizes=[6, 4])
+    assert features.view(1).labels.tolist() == [6, 7, 8, 9] and features.view(2).labels.tolist() == list(range(6))
+    steps = list(features.view(0).batches(4, torch.Generator().manual_seed(0), steps=3))
+    assert [len(y) for _, y in steps] == [4, 4, 4]  # exactly `steps` full batches: the order starts over
+    assert sorted(torch.cat([y for _, y in steps])[:6].tolist()) == list(range(6))
+    assert [y.tolist() for _, y in features.batches(4)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_two_process_ddp_trains_the_head_on_cached_features(two_classes, tiny_model_dir, tmp_path):
+    out = tmp_path / "ddp-probe"
+    proc = _torchrun("--data", str(two_classes), "--pretrained", str(tiny_model_dir), "--output", str(out),
+                     "--val-split", "0.2", "--epochs", "3", "--batch-size", "4", "--freeze-backbone",
+                     "--unfreeze-after", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "pooled features of 20 images" in proc.stdout + proc.stderr  # 16 + 4, split over the two ranks
+    rows = _rows(out)
+    assert [r["val_images"] for r in rows] == ["4", "4", "4"]
+
+
+def _quiet_progress():
+    from vit_finetune.train import _progress
+
+    return _progress(quiet=True, enabled=False)

@@ -136,6 +136,8 @@ def finetune_cmd(
     ema: Optional[bool] = typer.Option(None, "--ema/--no-ema", help="Keep an EMA of the weights; saved when better."),
     freeze_backbone: Optional[bool] = typer.Option(None, "--freeze-backbone", help="Linear probe: train the head only."),
     unfreeze_after: Optional[int] = typer.Option(None, help="With --freeze-backbone: train everything from this epoch."),
+    feature_views: Optional[int] = typer.Option(None, help="With --freeze-backbone: compute the pooled features once, for N views of each image (1: un-augmented; 0: recompute every epoch), and train the head on them. (default: 1)"),
+    head_lr: Optional[float] = typer.Option(None, help="Base LR per 512 images while the backbone is frozen. (default: --lr)"),
     color_jitter: Optional[float] = typer.Option(None, help="Colour jitter strength (0 = off)."),
     strong_aug: Optional[bool] = typer.Option(None, "--strong-aug", help="TrivialAugment-like policy + random erasing."),
     cache: Optional[bool] = typer.Option(None, "--cache", help="Decode every image once and keep it in memory."),

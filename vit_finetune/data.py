@@ -7,6 +7,7 @@ next good image, flagged in shared memory so that DataLoader workers report back
 
 from __future__ import annotations
 
+import copy
 import glob
 import logging
 import math
@@ -353,6 +354,13 @@ class ImageDataset(Dataset):
 
     def __len__(self) -> int:
         return len(self.paths)
+
+    def with_transform(self, transform: Callable[..., dict], return_index: bool | None = None) -> ImageDataset:
+        """The same images, decode cache and failure flags, through another transform (no second decode)."""
+        other = copy.copy(self)
+        other.transform = transform
+        other.return_index = self.return_index if return_index is None else return_index
+        return other
 
     def __getitem__(self, index: int) -> tuple:
         i = index

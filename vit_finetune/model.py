@@ -479,6 +479,9 @@ class VisionTransformer(nn.Module):
         return self.norm(x)
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
+        """The tokens the head reads: (B, D), or (B, 2, D) for the two heads of a distilled model."""
+        if self.head_dist is not None:
+            return x[:, :2]  # class and distillation tokens
         if self.attn_pool is not None:
             return self.attn_pool(x if self.pool_include_prefix else x[:, self.num_prefix_tokens:])
         if not self.global_pool:
@@ -493,9 +496,13 @@ class VisionTransformer(nn.Module):
         return 0.5 * (x.amax(dim=1) + x.mean(dim=1))  # avgmax
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        return self.classify(self.pool(x), pre_logits)
+
+    def classify(self, pooled: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """The head from pooled features: a frozen backbone's can be computed once and cached."""
         if self.head_dist is not None:
-            return self._forward_distilled_head(x, pre_logits)
-        x = self.head_drop(self.fc_norm(self.pool(x)))
+            return self._forward_distilled_head(pooled, pre_logits)
+        x = self.head_drop(self.fc_norm(pooled))
         return x if pre_logits else self.head(x)
 
     def _forward_distilled_head(self, x: torch.Tensor, pre_logits: bool):

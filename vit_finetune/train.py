@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from itertools import islice
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from .archs import get_arch, split_name
 from .data import DatasetSplits, ImageDataset, build_loader, build_transforms, find_dataset
 from .errors import VitftError
+from .features import FeatureSet, extract_features
 from .runtime import check_precision, compute_context, resolve_device
 from .weights import atomic_write, create_model, describe_weights, save_pretrained
 
@@ -72,6 +73,10 @@ class TrainConfig:
     ema_decay: float = 0.9998
     freeze_backbone: bool = False  # linear probe: train the head (and fc_norm) only
     unfreeze_after: Optional[int] = None  # with freeze_backbone: train everything from this epoch on
+    feature_views: int = 1  # frozen backbone: its pooled features computed once, for this many views of each
+    # image (1: un-augmented, as evaluated; N > 1: N augmented views), and the head trains on them in
+    # seconds; 0: every epoch runs the frozen backbone on freshly augmented images
+    head_lr: Optional[float] = None  # base LR while the backbone is frozen; default: lr
     scale: tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop area range
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     hflip: float = 0.5
@@ -285,14 +290,15 @@ class Metrics:
         self.plot_path = run_dir / "curves.png"
         self.rows = rows
 
-    def add(self, row: dict) -> None:
+    def add(self, row: dict, plot: bool = True) -> None:
         self.rows.append(row)
         buf = io.StringIO()
         writer = csv.DictWriter(buf, fieldnames=self.FIELDS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(self.rows)
         atomic_write(self.path, lambda tmp: tmp.write_text(buf.getvalue()))
-        self._plot()
+        if plot:
+            self._plot()
 
     def _plot(self) -> None:
         import matplotlib
@@ -314,6 +320,23 @@ class Metrics:
         fig.tight_layout()
         atomic_write(self.plot_path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
         plt.close(fig)
+
+
+class PhasedSchedule:
+    """timm schedulers that take turns, each counting steps from its own first one."""
+
+    def __init__(self, phases: list[tuple[int, Any]]):
+        self.phases = phases  # (first global step, scheduler), in order
+
+    def step_update(self, step: int) -> None:
+        first, scheduler = next((f, s) for f, s in reversed(self.phases) if step >= f)
+        scheduler.step_update(step - first)
+
+
+def _check_finite(loss: torch.Tensor, epoch: int, step: int) -> None:
+    if not torch.isfinite(loss):
+        raise VitftError(f"loss became {loss.item()} at epoch {epoch + 1} step {step}; lower --lr or use "
+                         "--precision fp32/bf16")
 
 
 class _StopFlag:
@@ -363,6 +386,7 @@ class Trainer:
             raise VitftError(f"{cfg.data} has {len(self.classes)} class ({', '.join(self.classes)}): a classifier "
                              "needs at least two class folders")
         self.resumed = resume_state is not None
+        self.features: Optional[tuple[FeatureSet, Optional[FeatureSet]]] = None  # (train, val) in the frozen phase
         if resume_state is None:
             self.model = build_model(cfg, len(self.classes))
         else:  # same architecture and hyperparameters; the weights come from the checkpoint
@@ -399,9 +423,9 @@ class Trainer:
     # -- setup
     def _build_data(self) -> None:
         cfg, pcfg = self.cfg, self.model.pretrained_cfg
-        train_tf = build_transforms(pcfg, self.img_size, True, cfg.scale, cfg.ratio, cfg.hflip, cfg.color_jitter,
-                                    cfg.strong_aug)
-        eval_tf = build_transforms(pcfg, self.img_size, False)
+        self.train_tf = train_tf = build_transforms(pcfg, self.img_size, True, cfg.scale, cfg.ratio, cfg.hflip,
+                                                    cfg.color_jitter, cfg.strong_aug)
+        self.eval_tf = eval_tf = build_transforms(pcfg, self.img_size, False)
         crop_pct = pcfg.get("crop_pct", 0.875)
         self.train_set = ImageDataset(self.splits.train, train_tf, cache=cfg.cache, img_size=self.img_size,
                                       crop_pct=crop_pct, name="train")
@@ -431,7 +455,6 @@ class Trainer:
         from timm.data import Mixup
         from timm.loss import SoftTargetCrossEntropy
         from timm.optim import create_optimizer_v2
-        from timm.scheduler import create_scheduler_v2
         from timm.utils import ModelEmaV3
 
         cfg = self.cfg
@@ -441,17 +464,7 @@ class Trainer:
         self.layer_decay = layer_decay if layer_decay and layer_decay < 1 else None
         self.optimizer = create_optimizer_v2(self.model, opt=cfg.opt, lr=self.lr, weight_decay=cfg.weight_decay,
                                              layer_decay=self.layer_decay)
-        self.warmup_epochs = cfg.warmup_epochs
-        if cfg.warmup_epochs * 2 > cfg.epochs:  # else the run is all warmup and ends by jumping to min_lr
-            self.warmup_epochs = round(cfg.epochs * self.steps_per_epoch / 5) / self.steps_per_epoch
-            if self.ddp.main:
-                log.warning("--warmup-epochs %d would cover most of this %d-epoch run (ending it at min_lr, with no "
-                            "phase at full LR); warming up for a fifth of the run instead: %.3g epoch(s)",
-                            cfg.warmup_epochs, cfg.epochs, self.warmup_epochs)
-        self.scheduler, _ = create_scheduler_v2(
-            self.optimizer, sched="cosine", num_epochs=cfg.epochs, warmup_epochs=self.warmup_epochs,
-            min_lr=cfg.min_lr, warmup_lr=min(1e-6, self.lr), step_on_epochs=False,
-            updates_per_epoch=self.steps_per_epoch)
+        self.scheduler = self._build_schedule()
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.mixup = None
         if cfg.mixup > 0 or cfg.cutmix > 0:
@@ -460,7 +473,53 @@ class Trainer:
             self.train_loss_fn = SoftTargetCrossEntropy()
         else:
             self.train_loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+        self.head_loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)  # cached features: no mixup
         self.ema = ModelEmaV3(self.model, decay=cfg.ema_decay, use_warmup=True) if cfg.ema else None
+
+    @property
+    def head_epochs(self) -> int:
+        """Epochs with the backbone frozen: all of them for a linear probe, else those before unfreeze_after."""
+        if not self.cfg.freeze_backbone:
+            return 0
+        return self.cfg.epochs if self.cfg.unfreeze_after is None else self.cfg.unfreeze_after
+
+    def _build_schedule(self) -> PhasedSchedule:
+        """timm's warmup + cosine schedule. A head phase before unfreezing gets its own (no warmup, head_lr),
+        and the full fine-tuning after it starts afresh, as fastai's fine_tune does."""
+        from timm.scheduler import create_scheduler_v2
+
+        cfg = self.cfg
+        scale = self.effective_batch / cfg.lr_base_size
+        self.head_lr = cfg.head_lr * scale if cfg.head_lr is not None else self.lr
+        phases = []  # (first epoch, epochs, lr, warmup epochs)
+        if 0 < self.head_epochs < cfg.epochs:
+            phases.append((0, self.head_epochs, self.head_lr, 0))
+        first = phases[0][1] if phases else 0
+        epochs = cfg.epochs - first
+        self.warmup_epochs = cfg.warmup_epochs
+        if cfg.warmup_epochs * 2 > epochs:  # else the run is all warmup and ends by jumping to min_lr
+            self.warmup_epochs = round(epochs * self.steps_per_epoch / 5) / self.steps_per_epoch
+            if self.ddp.main:
+                log.warning("--warmup-epochs %d would cover most of these %d epochs (ending them at min_lr, with no "
+                            "phase at full LR); warming up for a fifth of them instead: %.3g epoch(s)",
+                            cfg.warmup_epochs, epochs, self.warmup_epochs)
+        phases.append((first, epochs, self.head_lr if self.head_epochs == cfg.epochs else self.lr,
+                       self.warmup_epochs))
+        schedulers = []
+        for first_epoch, epochs, lr, warmup in phases:
+            for group in self.optimizer.param_groups:
+                group["initial_lr"] = lr  # what a timm scheduler takes as its base LR (times the layer's lr_scale)
+            scheduler, _ = create_scheduler_v2(
+                self.optimizer, sched="cosine", num_epochs=epochs, warmup_epochs=warmup, min_lr=cfg.min_lr,
+                warmup_lr=min(1e-6, lr), step_on_epochs=False, updates_per_epoch=self.steps_per_epoch)
+            schedulers.append((first_epoch * self.steps_per_epoch, scheduler))
+        schedule = PhasedSchedule(schedulers)
+        schedule.step_update(0)
+        return schedule
+
+    def _feature_phase(self) -> bool:
+        """Whether this epoch trains the head on cached features of the frozen backbone."""
+        return self.cfg.feature_views > 0 and self.epoch < self.head_epochs
 
     def _wrap(self) -> None:
         """DDP and/or torch.compile around the model; re-done when the trainable set changes."""
@@ -544,10 +603,24 @@ class Trainer:
             f"{self.ddp.world} proc; lr {self.lr:.3g} = {cfg.lr:g} x {self.effective_batch}/{cfg.lr_base_size}; "
             f"layer decay {self.layer_decay or 'off'}; {cfg.epochs} epochs x {self.steps_per_epoch} steps, warmup {warmup}",
         ]
+        if self.head_epochs:
+            lines.append(self._describe_head_phase())
         if getattr(self.model, "head_dist", None) is not None:
             lines.append("distilled model (DeiT): no teacher, so both heads (head, head_dist) are trained on the labels "
                          "through their mean, the model's output, as timm does")
         return lines
+
+    def _describe_head_phase(self) -> str:
+        cfg = self.cfg
+        epochs = "every epoch" if self.head_epochs == cfg.epochs else f"epochs 1-{self.head_epochs}"
+        if cfg.feature_views == 0:
+            how = "the frozen backbone runs on freshly augmented images every epoch"
+        else:
+            views = "one un-augmented view" if cfg.feature_views == 1 else f"{cfg.feature_views} augmented views"
+            how = (f"its pooled features ({views} of each image) are computed once and the head trains on them"
+                   + (" (mixup/cutmix start with the backbone)" if self.mixup is not None else ""))
+        then = "" if self.head_epochs == cfg.epochs else "; then everything trains, with a schedule of its own"
+        return f"head phase, {epochs}: backbone frozen, head lr {self.head_lr:.3g}; {how}{then}"
 
     def train_epoch(self, progress) -> tuple[float, float, bool]:
         cfg, epoch = self.cfg, self.epoch
@@ -575,26 +648,13 @@ class Trainer:
             with ctx:  # one context for forward and backward: a no_sync() context can be entered only once
                 with compute_context(self.device, self.precision):
                     loss = self.train_loss_fn(self.net(images), targets)
-                if not torch.isfinite(loss):
-                    raise VitftError(f"loss became {loss.item()} at epoch {epoch + 1} step {i}; lower --lr or use "
-                                     "--precision fp32/bf16")
+                _check_finite(loss, epoch, i)
                 self.scaler.scale(loss / cfg.accum_steps).backward()
             loss_sum += loss.item() * images.shape[0]
             seen += images.shape[0]
             if not last_micro:
                 continue
-            if cfg.clip_grad:
-                self.scaler.unscale_(self.optimizer)
-                nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.global_step += 1
-            self.step_in_epoch += 1
-            self.scheduler.step_update(self.global_step)
-            if self.ema is not None:
-                self.ema.update(self.model, step=self.global_step)
-            lr = self.optimizer.param_groups[-1]["lr"]
+            lr = self._optimizer_step()
             rate = seen / (time.perf_counter() - t0) * self.ddp.world
             progress.update(task, advance=1, info=f"loss {loss_sum / seen:.4f} lr {lr:.2e} {rate:.0f} img/s")
             if self.tb:
@@ -609,25 +669,92 @@ class Trainer:
         totals = _all_sum([loss_sum, seen], self.ddp, self.device)
         return totals[0] / max(totals[1], 1), totals[1], False
 
+    def _optimizer_step(self) -> float:
+        """Clip, step, schedule and average (EMA) after a full batch; returns the LR of the next step."""
+        if self.cfg.clip_grad:
+            self.scaler.unscale_(self.optimizer)
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        self.step_in_epoch += 1
+        self.scheduler.step_update(self.global_step)
+        if self.ema is not None:
+            self.ema.update(self.model, step=self.global_step)
+        return self.optimizer.param_groups[-1]["lr"]
+
+    def train_head_epoch(self, progress) -> tuple[float, float, bool]:
+        """An epoch of the frozen phase: the head learns from the backbone's pooled features, computed on first use.
+
+        One step takes a whole effective batch (features need no accumulation), so the schedule keeps its steps.
+        """
+        cfg, epoch = self.cfg, self.epoch
+        self.data_wait = [0.0]
+        if self.features is None:
+            self.features = self._extract_features(progress)
+        self.model.train()
+        generator = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
+        batches = self.features[0].view(epoch).batches(cfg.batch_size * cfg.accum_steps, generator,
+                                                        self.steps_per_epoch)
+        loss_sum, seen = 0.0, 0
+        for step, (pooled, targets) in enumerate(batches):
+            if step < self.step_in_epoch:  # done before the run was interrupted
+                continue
+            pooled, targets = pooled.to(self.device), targets.to(self.device)
+            with compute_context(self.device, self.precision):
+                loss = self.head_loss_fn(self.model.classify(pooled), targets)
+            _check_finite(loss, epoch, step)
+            self.scaler.scale(loss).backward()
+            if self.ddp.enabled:  # the head runs outside DDP's wrapper: average its gradients here
+                for param in self.model.parameters():
+                    if param.grad is not None:
+                        dist.all_reduce(param.grad)
+                        param.grad /= self.ddp.world
+            self._optimizer_step()
+            loss_sum += loss.item() * len(targets)
+            seen += len(targets)
+            if self.step_in_epoch < self.steps_per_epoch and self._stop_requested():
+                return loss_sum / max(seen, 1), seen, True
+        totals = _all_sum([loss_sum, seen], self.ddp, self.device)
+        return totals[0] / max(totals[1], 1), totals[1], False
+
+    def _extract_features(self, progress) -> tuple[FeatureSet, Optional[FeatureSet]]:
+        """The frozen backbone's pooled features of this rank's training images and validation slice."""
+        cfg, start = self.cfg, time.perf_counter()
+        views = cfg.feature_views
+        dataset = self.train_set.with_transform(self.eval_tf if views == 1 else self.train_tf, return_index=True)
+        loader = build_loader(dataset, cfg.batch_size, False, cfg.workers, self.device.type, self.ddp.enabled,
+                              cfg.seed)
+        task = progress.add_task("pooled features", total=views * len(loader) + len(self.val_loader), info="")
+        train = extract_features(self.model, loader, self.device, self.precision, views,
+                                 lambda done, _: progress.update(task, completed=done))
+        val = None
+        if self.val_set is not None:
+            val = extract_features(self.model, self.val_loader, self.device, self.precision, 1,
+                                   lambda done, _: progress.update(task, completed=views * len(loader) + done))
+        progress.remove_task(task)
+        seconds = time.perf_counter() - start
+        images = len(train) + (len(val) if val is not None else 0)
+        counts = _all_sum([images, seconds], self.ddp, self.device)
+        if self.ddp.main:
+            log.info("pooled features of %d images (%d view(s) of the training images, and the validation ones) "
+                     "computed once in %.0fs (%.0f img/s); the head trains on them", counts[0], views, seconds,
+                     counts[0] / max(seconds, 1e-9))
+        return train, val
+
     def _stop_requested(self) -> bool:
         flag = [1.0 if self.stop.stop else 0.0]
         return _all_sum(flag, self.ddp, self.device)[0] > 0
 
     @torch.inference_mode()
     def validate(self, model: nn.Module) -> dict:
+        """Loss, top-1 and top-5 on this run's validation images, summed over all ranks."""
         model.eval()
+        batches = self._feature_logits(model) if self._feature_phase() else self._image_logits(model)
         loss_sum = correct1 = correct5 = count = 0.0
         k = min(5, len(self.classes))
-        done = 0
-        for images, targets, used in self.val_loader:
-            # an image that failed to decode was replaced by another (used != requested): drop it, as evaluate does
-            keep = used == torch.arange(done, done + len(used))
-            done += len(used)
-            if not keep.any():
-                continue
-            images, targets = images[keep].to(self.device), targets[keep].to(self.device)
-            with compute_context(self.device, self.precision):
-                logits = model(images)
+        for logits, targets in batches:
             loss_sum += F.cross_entropy(logits.float(), targets, reduction="sum").item()
             topk = logits.topk(k, dim=1).indices
             correct1 += (topk[:, 0] == targets).sum().item()
@@ -638,6 +765,27 @@ class Trainer:
             raise VitftError("none of the validation images could be decoded")
         return {"val_loss": loss_sum / count, "val_top1": correct1 / count,
                 "val_top5": correct5 / count if len(self.classes) > 5 else None, "val_images": int(count)}
+
+    def _image_logits(self, model: nn.Module) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        done = 0
+        for images, targets, used in self.val_loader:
+            # an image that failed to decode was replaced by another (used != requested): drop it, as evaluate does
+            keep = used == torch.arange(done, done + len(used))
+            done += len(used)
+            if not keep.any():
+                continue
+            images, targets = images[keep].to(self.device), targets[keep].to(self.device)
+            with compute_context(self.device, self.precision):
+                logits = model(images)
+            yield logits, targets
+
+    def _feature_logits(self, model: nn.Module) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.features is None or self.features[1] is None:  # a rank without validation images
+            return
+        for pooled, targets in self.features[1].batches(self.cfg.batch_size):
+            with compute_context(self.device, self.precision):
+                logits = getattr(model, "module", model).classify(pooled.to(self.device))
+            yield logits, targets.to(self.device)
 
     def run(self, progress) -> RunResult:
         cfg = self.cfg
@@ -651,7 +799,11 @@ class Trainer:
                     _set_backbone_trainable(self.model, True)
                     self._wrap()
                 t0 = time.perf_counter()
-                train_loss, seen, interrupted = self.train_epoch(progress)
+                feature_phase = self._feature_phase()
+                if not feature_phase:
+                    self.features = None  # the backbone trains now: features computed before are stale
+                epoch = self.train_head_epoch if feature_phase else self.train_epoch
+                train_loss, seen, interrupted = epoch(progress)
                 if interrupted:
                     self.save_checkpoint()
                     break
@@ -670,18 +822,22 @@ class Trainer:
                     row["ema"] = best_model is self.ema.module
                 self.epoch += 1
                 self.step_in_epoch = 0
+                # between two epochs on cached features (each a second or less) no checkpoint is written: a crash
+                # there loses those seconds, and the features are computed again on resume anyway
+                checkpoint = not (feature_phase and self.epoch < cfg.epochs and self._feature_phase())
                 if self.ddp.main:
                     if scores["val_top1"] > self.best_top1:
                         self.best_top1, self.best_epoch = scores["val_top1"], self.epoch
                         self._save_best(best_model, scores["val_top1"], self.epoch)
-                    self.metrics.add(row)
+                    self.metrics.add(row, plot=checkpoint)
                     if self.tb:
                         for key in ("val_loss", "val_top1"):
                             self.tb.add_scalar(f"val/{key[4:]}", row[key], self.epoch)
                     self._epoch_line(row)
                 else:
                     self.rows.append(row)
-                self.save_checkpoint()
+                if checkpoint:
+                    self.save_checkpoint()
                 if self.epoch < cfg.epochs and self._stop_requested():  # a signal in the last step or validation
                     interrupted = True
                     break
@@ -854,6 +1010,10 @@ def _check_config(cfg: TrainConfig) -> None:
         (cfg.accum_steps >= 1, "--accum-steps must be at least 1"),
         (cfg.lr > 0, "--lr must be positive"),
         (cfg.unfreeze_after is None or cfg.freeze_backbone, "--unfreeze-after needs --freeze-backbone"),
+        (cfg.unfreeze_after is None or 0 < cfg.unfreeze_after < cfg.epochs,
+         f"--unfreeze-after must be between 1 and --epochs - 1 ({cfg.epochs - 1}), got {cfg.unfreeze_after}"),
+        (cfg.feature_views >= 0, "--feature-views must be 0 (no cached features) or more"),
+        (cfg.head_lr is None or cfg.head_lr > 0, "--head-lr must be positive"),
         (not (cfg.mixup or cfg.cutmix) or cfg.batch_size % 2 == 0, "mixup/cutmix need an even --batch-size"),
     ]
     for ok, message in checks:
