@@ -341,6 +341,18 @@ def test_a_run_is_evaluated_on_its_own_validation_split(own_run, eval_data, inte
     # another folder (the same images, linked again) is not the run's data: evaluated whole, as before
     other = make_subset(intel_dir, tmp_path / "other", 8)
     assert evaluate(str(own_run), other, workers=0).data["split"] == "all"
+    # a run trained on a train/ + val/ layout: its val folder, whatever the run's val_split says
+    make_subset(intel_dir, tmp_path / "tv" / "train", 2)
+    make_subset(intel_dir, tmp_path / "tv" / "val", 1)
+    config = json.loads((own_run / "config.json").read_text())
+    config["vitft"]["train"]["data"] = str(tmp_path / "tv")
+    (own_run / "config.json").write_text(json.dumps(config))
+    try:
+        assert evaluate(str(own_run), tmp_path / "tv", workers=0).data == {
+            "root": str(tmp_path / "tv"), "split": "val", "layout": "train/ + val/", "num_images": 6, "num_skipped": 0}
+    finally:
+        config["vitft"]["train"]["data"] = str(eval_data)
+        (own_run / "config.json").write_text(json.dumps(config))
 
 
 def test_evaluate_val_split_option(own_run, eval_data, run_dir, tmp_path):

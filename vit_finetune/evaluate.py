@@ -249,15 +249,16 @@ def _run_split(model: ModelLike, data: Union[str, os.PathLike]) -> Optional[tupl
 
 
 def _eval_samples(data: Union[str, os.PathLike], split: Optional[str], val_split: Optional[float] = None,
-                  seed: int = 0) -> tuple[list, list[str], dict]:
+                  seed: int = 0, explicit: bool = True) -> tuple[list, list[str], dict]:
     """(samples, data classes, data identity) of the split to evaluate.
 
     Where the data has no validation folder, `val_split` and `seed` split it as `finetune` does; a single
-    folder of class folders without `val_split` is evaluated whole.
+    folder of class folders without `val_split` is evaluated whole. An `explicit` val_split (the user's, not
+    a run's) on data that has a validation folder is an error.
     """
     splits = find_dataset(data, 0.1 if val_split is None else val_split, seed)
     root = os.path.abspath(os.path.expanduser(str(data)))
-    if val_split is not None and " split " not in splits.layout:
+    if explicit and val_split is not None and " split " not in splits.layout:
         raise VitftError(f"--val-split applies to a folder without a validation folder; {data} has one "
                          f"(layout: {splits.layout})")
     if splits.layout.startswith("single folder") and (val_split is None or split == "all"):
@@ -387,9 +388,11 @@ def evaluate(
     own = _run_split(model, data) if val_split is None else None
     if own is not None:
         val_split, seed = own[0], own[1] if seed is None else seed
+    samples, data_classes, data_info = _eval_samples(data, split, val_split, 0 if seed is None else seed,
+                                                     explicit=own is None)
+    if own is not None and " split " in data_info["layout"]:
         log.info("evaluating on the run's own split of %s: %g%% validation, seed %d, as in training "
                  "(--val-split to split otherwise)", printable(str(data)), 100 * val_split, seed)
-    samples, data_classes, data_info = _eval_samples(data, split, val_split, 0 if seed is None else seed)
     present = sorted({label for _, label in samples})
     net, source = _prepare_model(model, arch, img_size)
     classes, to_model, names_from = _match_classes(net, data_classes, present)
