@@ -408,7 +408,7 @@ def test_card_lists_the_overridden_architecture_args(tiny_model_dir, tmp_path):
     run = evaluated_run_without_report(tiny_model_dir, tmp_path / "run", {"pretrained": "none"},
                                        **dict(TINY, img_size=48, depth=3, drop_path_rate=0.1))
     card = (export(run, tmp_path / "out") / "README.md").read_text()
-    line = next(l for l in card.splitlines() if l.startswith("- **Architecture:**"))
+    line = next(row for row in card.splitlines() if row.startswith("- **Architecture:**"))
     assert line.startswith("- **Architecture:** `vit_tiny_patch16_224` (timm) with depth=3, embed_dim=64, "
                            "img_size=48, num_heads=2, patch_size=8, "), line
     assert "drop_path" not in line
