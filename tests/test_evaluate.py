@@ -274,3 +274,92 @@ def test_timm_name_needs_pretrained_flag(eval_data):
     result = invoke("evaluate", "vit_tiny_patch16_224", "--data", eval_data)
     assert result.exit_code == 2 and "--pretrained" in result.output and "Traceback" not in result.output
     assert "not found" in invoke("predict", "no/such/run", eval_data).output
+
+
+# ---- names that are not UTF-8, worker errors, the run's own split ---------------------------------------------
+def test_names_that_are_not_utf8_are_written_escaped(run_dir, intel_dir, tmp_path):
+    """Linux file names are bytes: b'caf\\xe9' is not UTF-8 and reaches Python as 'caf\\udce9'. evaluate, predict
+    --output (CSV and JSONL) and predict to stdout write such names as \\xe9 and never fail on one."""
+    import os
+
+    data = tmp_path / os.fsdecode(b"d\xe9j\xe0")
+    for name in CLASSES:
+        (data / name).mkdir(parents=True)
+        for i, image in enumerate(sorted((intel_dir / name).iterdir())[:2]):
+            (data / name / os.fsdecode(b"caf\xe9_%d.jpg" % i)).symlink_to(image)
+    result = invoke("evaluate", run_dir, "--data", data, "--workers", 0, "--output", tmp_path / "eval")
+    assert result.exit_code == 0, result.output
+    csv_text = (tmp_path / "eval" / "predictions.csv").read_bytes().decode("utf-8")  # strict: valid UTF-8
+    assert csv_text.count("caf\\xe9_") == 12 and "d\\xe9j\\xe0" in csv_text
+    report = json.loads((tmp_path / "eval" / "report.json").read_bytes().decode("utf-8"))
+    assert report["data"]["root"].endswith("d\\xe9j\\xe0") and report["num_images"] == 12
+    assert (tmp_path / "eval" / "mistakes.png").stat().st_size > 0
+
+    for out in (tmp_path / "p.csv", tmp_path / "p.jsonl"):
+        result = invoke("predict", run_dir, data, "--workers", 0, "--output", out)
+        assert result.exit_code == 0, result.output
+        text = out.read_bytes().decode("utf-8")
+        assert text.count("caf\\\\xe9_" if out.suffix == ".jsonl" else "caf\\xe9_") == 12
+    rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert all(r["path"].endswith((r"caf\xe9_0.jpg", r"caf\xe9_1.jpg")) and r["labels"] for r in rows)
+    result = invoke("predict", run_dir, data, "--workers", 0)
+    assert result.exit_code == 0 and result.stdout.count("caf\\xe9_") == 12
+
+
+def test_a_worker_error_keeps_its_message(run_dir, tmp_path, intel_dir):
+    """An error raised in a DataLoader worker reaches the rows with its own message, not torch's wrapper."""
+    for i in range(2):
+        whole = sorted((intel_dir / "sea").iterdir())[i].read_bytes()
+        (tmp_path / f"cut{i}.jpg").write_bytes(whole[: len(whole) // 3])  # headers fine, pixels missing
+    rows = list(predict(str(run_dir), tmp_path, workers=1))
+    assert len(rows) == 2
+    for row in rows:
+        assert "none of the 2 images can be decoded" in row.error and "Caught" not in row.error, row.error
+
+
+@pytest.fixture(scope="module")
+def own_run(run_dir, eval_data, tmp_path_factory) -> Path:
+    """The tiny model as a run trained on eval_data with an 75/25 split, seed 3."""
+    import shutil
+
+    run = tmp_path_factory.mktemp("own") / "run"
+    shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns("*.csv", "*.json*", "*.png"))
+    shutil.copy(run_dir / "config.json", run / "config.json")
+    config = json.loads((run / "config.json").read_text())
+    config["vitft"] = {"train": {"data": str(eval_data), "val_split": 0.25, "seed": 3}}
+    (run / "config.json").write_text(json.dumps(config))
+    return run
+
+
+def test_a_run_is_evaluated_on_its_own_validation_split(own_run, eval_data, intel_dir, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="vitft")
+    report = evaluate(str(own_run), eval_data, workers=0)
+    expected = find_dataset(eval_data, 0.25, 3).val
+    assert report.data["split"] == "val" and "split 75/25 (seed 3)" in report.data["layout"]
+    assert sorted(p["path"] for p in report.predictions) == sorted(str(p) for p, _ in expected)
+    assert "the run's own split" in caplog.text and "seed 3" in caplog.text
+    # another folder (the same images, linked again) is not the run's data: evaluated whole, as before
+    other = make_subset(intel_dir, tmp_path / "other", 8)
+    assert evaluate(str(own_run), other, workers=0).data["split"] == "all"
+    # a run trained on a train/ + val/ layout: its val folder, whatever the run's val_split says
+    make_subset(intel_dir, tmp_path / "tv" / "train", 2)
+    make_subset(intel_dir, tmp_path / "tv" / "val", 1)
+    config = json.loads((own_run / "config.json").read_text())
+    config["vitft"]["train"]["data"] = str(tmp_path / "tv")
+    (own_run / "config.json").write_text(json.dumps(config))
+    try:
+        assert evaluate(str(own_run), tmp_path / "tv", workers=0).data == {
+            "root": str(tmp_path / "tv"), "split": "val", "layout": "train/ + val/", "num_images": 6, "num_skipped": 0}
+    finally:
+        config["vitft"]["train"]["data"] = str(eval_data)
+        (own_run / "config.json").write_text(json.dumps(config))
+
+
+def test_evaluate_val_split_option(own_run, eval_data, run_dir, tmp_path):
+    result = invoke("evaluate", own_run, "--data", eval_data, "--workers", 0, "--val-split", 0.5, "--seed", 1,
+                    "--output", tmp_path / "half")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "half" / "report.json").read_text())
+    expected = find_dataset(eval_data, 0.5, 1).val
+    assert report["data"]["split"] == "val" and report["num_images"] == len(expected) == 24
+    assert evaluate(str(run_dir), eval_data, workers=0).data["split"] == "all"  # no run config: whole folder

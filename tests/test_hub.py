@@ -336,3 +336,167 @@ def test_base_model_from_the_training_config(tmp_path):
     assert base_model({"pretrained": "hf-hub:someone/my-vit@v2"}) == "someone/my-vit"
     assert base_model({"pretrained": "none"}) is None and base_model({}) is None
     assert base_model({"pretrained": str(tmp_path)}) is None  # local weights: no Hub lineage
+
+
+# ---- what goes public, what the card says, how files are replaced ---------------------------------------
+def front_matter(card: str) -> dict:
+    import yaml
+
+    return yaml.safe_load(card.split("---\n")[1])
+
+
+def evaluated_run_without_report(tiny_model_dir: Path, folder: Path, train: dict, **model_kwargs) -> Path:
+    """The tiny model (or one built with model_kwargs) as a run with `train` as its config and a best epoch."""
+    from vit_finetune import create_model, save_pretrained
+
+    if model_kwargs:
+        torch.manual_seed(0)
+        model = create_model("vit_tiny_patch16_224", num_classes=len(CLASSES), **model_kwargs)
+        model.pretrained_cfg["label_names"] = list(CLASSES)
+        save_pretrained(model, folder)
+    else:
+        shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["vitft"] = {"train": train, "data": {"root": "/data/intel"}, "best": {"epoch": 2, "val_top1": 0.625}}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_local_weights_paths_stay_private(tiny_model_dir, tmp_path):
+    from vit_finetune.hub import _hyperparameters
+
+    train = {"pretrained": "weights/private.pth", "model": "vit_tiny_patch16_224", "epochs": 3,
+             "data": "mydata", "max_steps_per_epoch": 5}
+    run = evaluated_run_without_report(tiny_model_dir, tmp_path / "run", train)
+    out = export(run, tmp_path / "out")
+    for name in ("README.md", "config.json"):
+        text = (out / name).read_text()
+        assert "private" not in text and "weights/" not in text, name
+    exported = json.loads((out / "config.json").read_text())["vitft"]["train"]
+    assert exported == {"model": "vit_tiny_patch16_224", "epochs": 3}  # no path, no bookkeeping
+    assert base_model(train) is None
+    public = ("vit_b_16", "vit_small_patch16_224.augreg_in21k", "hf-hub:someone/my-vit", "none")
+    for value in public:
+        assert _hyperparameters({"pretrained": value})["pretrained"] == value
+    for value in ("weights/private.pth", "private.safetensors", str(tmp_path), "runs/best", "local-dir:x"):
+        assert "pretrained" not in _hyperparameters({"pretrained": value}), value
+
+
+def test_not_hyperparameters_are_train_config_fields():
+    import dataclasses
+
+    from vit_finetune.hub import _NOT_HYPERPARAMETERS
+    from vit_finetune.train import TrainConfig
+
+    assert _NOT_HYPERPARAMETERS <= {f.name for f in dataclasses.fields(TrainConfig)}
+    assert "max_steps_per_epoch" in _NOT_HYPERPARAMETERS
+
+
+def test_never_evaluated_run_has_its_validation_top1_in_the_model_index(tiny_model_dir, tmp_path):
+    run = evaluated_run_without_report(tiny_model_dir, tmp_path / "run", {"pretrained": "none", "epochs": 2})
+    meta = front_matter((export(run, tmp_path / "out") / "README.md").read_text())
+    (result,) = meta["model-index"][0]["results"]
+    assert result["dataset"]["split"] == "validation"
+    assert [(m["type"], m["value"]) for m in result["metrics"]] == [("accuracy", 0.625)]
+    (run / "report.json").write_text(json.dumps(REPORT))  # an evaluation replaces it
+    meta = front_matter((export(run, tmp_path / "out2") / "README.md").read_text())
+    (result,) = meta["model-index"][0]["results"]
+    assert result["dataset"]["split"] == "test" and result["metrics"][0]["value"] == 0.8125
+
+
+def test_card_lists_the_overridden_architecture_args(tiny_model_dir, tmp_path):
+    run = evaluated_run_without_report(tiny_model_dir, tmp_path / "run", {"pretrained": "none"},
+                                       **dict(TINY, img_size=48, depth=3, drop_path_rate=0.1))
+    card = (export(run, tmp_path / "out") / "README.md").read_text()
+    line = next(row for row in card.splitlines() if row.startswith("- **Architecture:**"))
+    assert line.startswith("- **Architecture:** `vit_tiny_patch16_224` (timm) with depth=3, embed_dim=64, "
+                           "img_size=48, num_heads=2, patch_size=8, "), line
+    assert "drop_path" not in line
+
+
+def test_non_utf8_class_folder_in_the_card(tmp_path):
+    """A class folder named with bytes that are not UTF-8: the card shows \\xe9, config.json keeps the exact name
+    (evaluate matches it against the folders), and nothing fails."""
+    from vit_finetune import create_model, save_pretrained
+
+    odd = os.fsdecode(b"caf\xe9")
+    model = create_model("vit_tiny_patch16_224", num_classes=2, **TINY)
+    model.pretrained_cfg["label_names"] = [odd, "tea"]
+    save_pretrained(model, tmp_path / "run",
+                    extra_config={"vitft": {"data": {"root": str(tmp_path / odd)}, "best": {"val_top1": 0.5}}})
+    out = export(tmp_path / "run", tmp_path / "out")
+    card = (out / "README.md").read_bytes().decode("utf-8")  # strict
+    assert "| 0 | caf\\xe9 |" in card and "- **Dataset:** caf\\xe9" in card
+    assert front_matter(card)["model-index"][0]["results"][0]["dataset"]["name"] == "caf\\xe9"
+    assert json.loads((out / "config.json").read_text())["label_names"] == [odd, "tea"]
+
+
+def test_save_pretrained_replaces_config_then_weights(tiny_model_dir, tmp_path, monkeypatch):
+    """Both files are written in full first, then renamed: config.json, then model.safetensors. A failure
+    before the last rename leaves the previous weights, never new weights with the previous config.json."""
+    import vit_finetune.weights as weights
+    from vit_finetune import create_model, save_pretrained
+
+    folder = tmp_path / "run"
+    shutil.copytree(tiny_model_dir, folder)
+    old_weights = (folder / "model.safetensors").read_bytes()
+    model = create_model("vit_tiny_patch16_224", num_classes=3, **TINY)
+    real_replace, renamed = os.replace, []
+
+    def replace(src, dst):
+        renamed.append(Path(dst).name)
+        if Path(dst).name == "config.json":
+            raise OSError("disk gone")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(weights.os, "replace", replace)
+    with pytest.raises(OSError, match="disk gone"):
+        save_pretrained(model, folder)
+    assert (folder / "model.safetensors").read_bytes() == old_weights
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]  # no temp files left
+    monkeypatch.setattr(weights.os, "replace", lambda src, dst: (renamed.append(Path(dst).name),
+                                                                 real_replace(src, dst)))
+    renamed.clear()
+    save_pretrained(model, folder)
+    assert renamed == ["config.json", "model.safetensors"]
+    assert json.loads((folder / "config.json").read_text())["num_classes"] == 3
+
+
+def test_export_overwrite_never_removes_a_file_it_replaces(run, tmp_path, monkeypatch):
+    import vit_finetune.hub as hub
+
+    out = export(run, tmp_path / "out")
+    real_replace, seen = os.replace, []
+
+    def replace(src, dst):
+        seen.append((Path(dst).name, (out / "config.json").exists(), (out / "model.safetensors").exists()))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(hub.os, "replace", replace)
+    export(run, out, overwrite=True)
+    assert [name for name, *_ in seen][:2] == ["config.json", "model.safetensors"]
+    assert all(config and weights for _, config, weights in seen)
+
+
+def test_vitft_predict_and_timms_pipeline_give_the_same_probabilities(tiny_model_dir, intel_dir, tmp_path):
+    """The card's timm snippet and `vitft predict` on real photos: same probabilities (1e-5), at 32 px. The head is
+    scaled up so that probabilities follow the pixels closely (cv2's resize before this moved them by up to 0.42)."""
+    import timm
+    from PIL import Image
+
+    from vit_finetune import load_model, predict, save_pretrained
+
+    model = load_model(str(tiny_model_dir))
+    with torch.no_grad():
+        model.head.weight.mul_(30)  # top-1 probabilities 0.64 to 0.96 on these photos
+    out = export(save_pretrained(model, tmp_path / "run"), tmp_path / "out")
+    files = [sorted((intel_dir / c).iterdir())[3] for c in CLASSES]
+    model = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+    transforms = timm.data.create_transform(**timm.data.resolve_model_data_config(model), is_training=False)
+    with torch.no_grad():
+        expected = model(torch.stack([transforms(Image.open(f).convert("RGB")) for f in files])).softmax(-1)
+    rows = list(predict(str(out), files, top_k=len(CLASSES), workers=0))
+    labels = model.pretrained_cfg["label_names"]
+    for row, probs in zip(rows, expected):
+        got = dict(zip(row.labels, row.probs))
+        torch.testing.assert_close(torch.tensor([got[label] for label in labels]), probs, atol=1e-5, rtol=0)

@@ -219,13 +219,15 @@ def evaluate_cmd(
     precision: str = typer.Option("fp32", help="fp32, bf16 or fp16."),
     output: Optional[str] = typer.Option(None, help="Folder for report.json and friends. (default: the run folder, else ./eval-<model>)"),
     explain: bool = typer.Option(False, "--explain", help="Overlay attention-rollout heat maps on mistakes.png (see `vitft explain`)."),
+    val_split: Optional[float] = typer.Option(None, help="Split data without a validation folder, as finetune does, and evaluate its val part. (default: a run's own split on the data it trained on, else a single folder is evaluated whole)"),
+    seed: Optional[int] = typer.Option(None, help="Seed of that split. (default: the run's, else 0)"),
 ):
     """Evaluate a model on labelled images: metrics, per-class table, confusion matrix, mistakes."""
     from .evaluate import evaluate_command
 
     evaluate_command(model, data, split=split, arch=arch, pretrained=pretrained, img_size=img_size, tta=tta,
                      batch_size=batch_size, workers=workers, device=device, precision=precision, output=output,
-                     explain="rollout" if explain else None)
+                     explain="rollout" if explain else None, val_split=val_split, seed=seed)
 
 
 @command("predict")

@@ -48,6 +48,14 @@ INTERPOLATIONS = {
     "lanczos": cv2.INTER_LANCZOS4,
     "area": cv2.INTER_AREA,
 }
+# the same names for PIL, which the eval transform resizes with, as timm does ('area' is PIL's box filter)
+PIL_INTERPOLATIONS = {
+    "bicubic": Image.Resampling.BICUBIC,
+    "bilinear": Image.Resampling.BILINEAR,
+    "nearest": Image.Resampling.NEAREST,
+    "lanczos": Image.Resampling.LANCZOS,
+    "area": Image.Resampling.BOX,
+}
 Sample = tuple[Path, int]
 
 # ----------------------------------------------------------------------------- finding the images
@@ -126,15 +134,49 @@ def list_images(path_or_paths: str | Path | Iterable[str | Path]) -> list[Path]:
     return sorted(found)
 
 
+def printable(text: str) -> str:
+    """`text` with the bytes of a file name that are not UTF-8 written as \\xNN, as `ls -b` shows them.
+
+    Python reads such names as lone surrogates ('caf\\udce9.jpg' for the bytes b'caf\\xe9.jpg'), which no
+    UTF-8 file or terminal can take: every report, CSV, JSONL and model card writes names through this.
+    """
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate that is not an escaped byte (e.g. from JSON): its code point
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def printable_tree(value):
+    """`printable` applied to every string (and dict key) in nested dicts and lists, for JSON outputs."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {printable_tree(k): printable_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [printable_tree(v) for v in value]
+    return value
+
+
 def _is_image(name: str) -> bool:
     return name.lower().endswith(IMAGE_SUFFIXES) and not name.startswith(".")
 
 
 def _images_under(folder: Path) -> list[Path]:
-    """Image files below folder, following symlinks and skipping hidden files and folders (e.g. macOS '._x.jpg')."""
+    """Image files below folder, following symlinks and skipping hidden files and folders (e.g. macOS '._x.jpg').
+
+    Each real folder is walked once: a symlink back up the tree (a cycle) or a second link to a folder already
+    seen is skipped, so the walk always ends and lists no image twice.
+    """
     found = []
+    seen = {os.path.realpath(folder)}
     for parent, dirs, files in os.walk(folder, followlinks=True):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        kept = []
+        for d in sorted(dirs):  # sorted: which of two links to one folder is kept does not depend on the disk
+            real = os.path.realpath(os.path.join(parent, d))
+            if not d.startswith(".") and real not in seen:
+                seen.add(real)
+                kept.append(d)
+        dirs[:] = kept
         found += [Path(parent) / f for f in files if _is_image(f)]
     return sorted(found)
 
@@ -260,31 +302,70 @@ def build_transforms(
     hflip: float = 0.5,
     color_jitter: float = 0.0,
     strong: bool = False,
-) -> A.Compose:
-    """timm-equivalent train/eval preprocessing in albumentations (cv2 is faster than PIL); outputs CHW float."""
+) -> Callable[..., dict]:
+    """timm-equivalent train/eval preprocessing: `transform(image=HWC uint8)["image"]` is a CHW float tensor.
+
+    Training uses albumentations (cv2 is faster than PIL); evaluation is timm's own eval transform (EvalTransform).
+    """
     h, w = _hw(img_size)
     name = pretrained_cfg.get("interpolation", "bicubic")
     if name not in INTERPOLATIONS:
         raise VitftError(f"unknown interpolation {name!r} in pretrained_cfg; use one of {', '.join(INTERPOLATIONS)}")
-    interpolation = INTERPOLATIONS[name]
-    if train:
-        ops = [
-            A.RandomResizedCrop((h, w), scale, ratio, interpolation=interpolation, area_for_downscale="image"),
-            A.HorizontalFlip(p=hflip),
-        ]
-        if color_jitter:
-            ops.append(A.ColorJitter(color_jitter, color_jitter, color_jitter, hue=0, p=1.0))
-        if strong:
-            ops += _strong_ops()
-    else:  # like timm: resize to size / crop_pct, then centre crop (a non-square size is resized exactly, as timm)
-        crop_pct = pretrained_cfg.get("crop_pct", DEFAULT_CROP_PCT)
-        sh, sw = int(h / crop_pct), int(w / crop_pct)
-        resize = A.SmallestMaxSize(sh, interpolation=interpolation, area_for_downscale="image") if h == w else (
-            A.Resize(sh, sw, interpolation=interpolation, area_for_downscale="image"))
-        ops = [resize, A.CenterCrop(h, w)]
     mean = pretrained_cfg.get("mean", IMAGENET_DEFAULT_MEAN)
     std = pretrained_cfg.get("std", IMAGENET_DEFAULT_STD)
+    if not train:
+        return EvalTransform((h, w), pretrained_cfg.get("crop_pct") or DEFAULT_CROP_PCT, name, mean, std)
+    interpolation = INTERPOLATIONS[name]
+    ops = [
+        A.RandomResizedCrop((h, w), scale, ratio, interpolation=interpolation, area_for_downscale="image"),
+        A.HorizontalFlip(p=hflip),
+    ]
+    if color_jitter:
+        ops.append(A.ColorJitter(color_jitter, color_jitter, color_jitter, hue=0, p=1.0))
+    if strong:
+        ops += _strong_ops()
     return A.Compose([*ops, A.Normalize(mean, std, max_pixel_value=255.0), ToTensorV2()])
+
+
+class EvalTransform:
+    """timm's eval transform, step for step, so a model predicts the same in vitft and in timm's pipeline.
+
+    As `timm.data.create_transform(**resolve_data_config(...), is_training=False)` (crop_mode 'center'):
+    the shorter side is resized to floor(size / crop_pct) with PIL (whose downscaling filters antialias;
+    cv2's do not, which moved probabilities by several points at 64 px), a non-square size keeps the aspect
+    ratio with both sides at least floor(side / crop_pct), then a centre crop (zero-padded if too small),
+    [0, 1] scaling and normalisation, with torchvision's rounding.
+    """
+
+    def __init__(self, size: tuple[int, int], crop_pct: float, interpolation: str, mean: Sequence[float],
+                 std: Sequence[float]):
+        self.size = size
+        self.scale_size = tuple(math.floor(s / crop_pct) for s in size)
+        self.resample = PIL_INTERPOLATIONS[interpolation]
+        self.mean = np.asarray(mean, dtype=np.float32)
+        self.std = np.asarray(std, dtype=np.float32)
+
+    def _resized_hw(self, h: int, w: int) -> tuple[int, int]:
+        sh, sw = self.scale_size
+        if sh == sw:  # torchvision Resize(int): the shorter side to sh, the longer one truncated
+            return (sh, int(sh * w / h)) if h <= w else (int(sh * h / w), sh)
+        ratio = min(h / sh, w / sw)  # timm's ResizeKeepRatio
+        return round(h / ratio), round(w / ratio)
+
+    def __call__(self, *, image: np.ndarray, **_) -> dict:
+        h, w = image.shape[:2]
+        rh, rw = self._resized_hw(h, w)
+        if (rh, rw) != (h, w):
+            image = np.asarray(Image.fromarray(image).resize((rw, rh), self.resample))
+        ch, cw = self.size
+        if ch > rh or cw > rw:  # torchvision's center_crop pads with zeros first
+            top, left = max(0, (ch - rh) // 2), max(0, (cw - rw) // 2)
+            image = np.pad(image, ((top, max(0, ch - rh) - top), (left, max(0, cw - rw) - left), (0, 0)))
+            rh, rw = image.shape[:2]
+        top, left = int(round((rh - ch) / 2.0)), int(round((rw - cw) / 2.0))
+        crop = image[top:top + ch, left:left + cw]
+        x = (crop.astype(np.float32) / np.float32(255) - self.mean) / self.std
+        return {"image": torch.from_numpy(np.ascontiguousarray(x.transpose(2, 0, 1)))}
 
 
 def _strong_ops() -> list[A.BasicTransform]:

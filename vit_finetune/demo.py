@@ -57,6 +57,6 @@ def demo(output: Union[str, Path] = "vitft-demo", epochs: int = 10, seed: int = 
                    overwrite=True, quiet=True)
     report = evaluate(run.run_dir, data, device="cpu", workers=0, output=run.run_dir)
     exported = export(run.run_dir, output / "export", overwrite=True)
-    log.info("demo: val top-1 %.1f%% after %d epochs; evaluated on all %d images: %.1f%%",
+    log.info("demo: val top-1 %.1f%% after %d epochs; evaluated again on those %d validation images: %.1f%%",
              100 * run.best_top1, run.epochs_done, report.num_images, 100 * report.accuracy)
     return {"data": data, "run": run.run_dir, "report": run.run_dir / "report.json", "export": exported}

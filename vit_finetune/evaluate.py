@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from timm.data.constants import DEFAULT_CROP_PCT, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
-from .data import ImageDataset, build_loader, build_transforms, find_dataset, list_images, load_rgb
+from .data import (ImageDataset, build_loader, build_transforms, find_dataset, list_images, load_rgb, printable,
+                   printable_tree)
 from .errors import VitftError
 from .model import VisionTransformer
 from .runtime import check_precision, compute_context, resolve_device
@@ -181,7 +182,7 @@ def _infer(model: VisionTransformer, dataset: ImageDataset, batch_size: int, wor
     done = 0
     try:
         with torch.inference_mode():
-            for x, _, used in loader:
+            for x, _, used in _worker_errors_unwrapped(loader):
                 x = x.to(device, non_blocking=True)
                 with compute_context(device, precision):
                     logits = model(x)
@@ -197,6 +198,22 @@ def _infer(model: VisionTransformer, dataset: ImageDataset, batch_size: int, wor
                     progress(done, len(dataset))
     finally:
         model.train(was_training)
+
+
+def _worker_errors_unwrapped(loader: Iterable) -> Iterator:
+    """The loader's batches; a VitftError raised in a DataLoader worker is raised again with its own message.
+
+    torch re-raises a worker's exception as "Caught VitftError in DataLoader worker process 0.\nOriginal
+    Traceback ..."; the message that says what is wrong is the traceback's last line.
+    """
+    try:
+        yield from loader
+    except VitftError as err:
+        text = str(err)
+        if not text.startswith("Caught VitftError"):
+            raise
+        last = text.strip().splitlines()[-1]
+        raise VitftError(last.removeprefix(f"{VitftError.__module__}.{VitftError.__name__}: ")) from err
 
 
 def _unreadable_reason(path: Path) -> str:
@@ -217,14 +234,37 @@ def _unreadable_reason(path: Path) -> str:
 # ----------------------------------------------------------------------------- evaluate
 
 
-def _eval_samples(data: Union[str, os.PathLike], split: Optional[str]) -> tuple[list, list[str], dict]:
-    """(samples, data classes, data identity) of the split to evaluate."""
-    splits = find_dataset(data)
+def _run_split(model: ModelLike, data: Union[str, os.PathLike]) -> Optional[tuple[float, int]]:
+    """(val_split, seed) of the run folder `model` when `data` is the folder it was trained on, else None."""
+    if not isinstance(model, (str, os.PathLike)):
+        return None
+    config = Path(str(model).removeprefix("local-dir:")).expanduser() / "config.json"
+    try:
+        train = json.loads(config.read_text(encoding="utf-8"))["vitft"]["train"]
+        same = os.path.realpath(os.path.expanduser(str(train["data"]))) == \
+            os.path.realpath(os.path.expanduser(str(data)))
+        return (float(train.get("val_split", 0.1)), int(train.get("seed", 0))) if same else None
+    except (OSError, ValueError, KeyError, TypeError):  # not a run folder (or not one of ours)
+        return None
+
+
+def _eval_samples(data: Union[str, os.PathLike], split: Optional[str], val_split: Optional[float] = None,
+                  seed: int = 0, explicit: bool = True) -> tuple[list, list[str], dict]:
+    """(samples, data classes, data identity) of the split to evaluate.
+
+    Where the data has no validation folder, `val_split` and `seed` split it as `finetune` does; a single
+    folder of class folders without `val_split` is evaluated whole. An `explicit` val_split (the user's, not
+    a run's) on data that has a validation folder is an error.
+    """
+    splits = find_dataset(data, 0.1 if val_split is None else val_split, seed)
     root = os.path.abspath(os.path.expanduser(str(data)))
-    if splits.layout.startswith("single folder"):
+    if explicit and val_split is not None and " split " not in splits.layout:
+        raise VitftError(f"--val-split applies to a folder without a validation folder; {data} has one "
+                         f"(layout: {splits.layout})")
+    if splits.layout.startswith("single folder") and (val_split is None or split == "all"):
         if split not in (None, "all"):
             raise VitftError(f"{data} is a single folder of class folders: it is evaluated whole; --split applies "
-                             f"to train/val/test layouts")
+                             f"to train/val/test layouts, or with --val-split")
         samples, split, layout = sorted(splits.train + splits.val), "all", "single folder"
     else:
         available = {"train": splits.train, "val": splits.val}
@@ -332,14 +372,19 @@ def evaluate(
     arch: Optional[str] = None,
     progress: Optional[ProgressFn] = None,
     explain: Optional[str] = None,
+    val_split: Optional[float] = None,
+    seed: Optional[int] = None,
 ) -> EvalReport:
     """Evaluate a classifier on a labelled dataset (any layout `finetune` accepts).
 
     `model`: a run/export folder, weights file (with `arch`), `hf-hub:org/repo`, timm name (its pretrained
-    weights), or a built VisionTransformer. `split`: train, val or test (default: test if present, else val); a
-    single folder of class folders is evaluated whole. With `output`, report.json, predictions.csv,
-    confusion_matrix.png and mistakes.png are written there (atomically); without it nothing is written.
-    `explain`: rollout, attention or gradcam (explain.py): mistakes.png shows that heat map on each image.
+    weights), or a built VisionTransformer. `split`: train, val or test (default: test if present, else val).
+    Data without a validation folder is split by `val_split` and `seed` (0 by default), as `finetune` splits it;
+    a run folder evaluated on the data it was trained on reuses the run's own split, so its validation images
+    are the ones training validated on. A single folder of class folders is otherwise evaluated whole. With
+    `output`, report.json, predictions.csv, confusion_matrix.png and mistakes.png are written there
+    (atomically); without it nothing is written. `explain`: rollout, attention or gradcam (explain.py):
+    mistakes.png shows that heat map on each image.
     """
     dev = _check_args(batch_size, device, precision)
     if explain is not None:
@@ -347,7 +392,14 @@ def evaluate(
 
         if explain not in METHODS:
             raise VitftError(f"unknown explain method {explain!r}; use one of {', '.join(METHODS)}")
-    samples, data_classes, data_info = _eval_samples(data, split)
+    own = _run_split(model, data) if val_split is None else None
+    if own is not None:
+        val_split, seed = own[0], own[1] if seed is None else seed
+    samples, data_classes, data_info = _eval_samples(data, split, val_split, 0 if seed is None else seed,
+                                                     explicit=own is None)
+    if own is not None and " split " in data_info["layout"]:
+        log.info("evaluating on the run's own split of %s: %g%% validation, seed %d, as in training "
+                 "(--val-split to split otherwise)", printable(str(data)), 100 * val_split, seed)
     present = sorted({label for _, label in samples})
     net, source = _prepare_model(model, arch, img_size)
     for line in describe_weights(net):
@@ -411,12 +463,13 @@ def write_report(report: EvalReport, folder: Union[str, os.PathLike],
             writer = csv.writer(f, lineterminator="\n")
             writer.writerow(["path", "true_label", "predicted_label", "confidence"])
             for row in report.predictions:
-                writer.writerow([row["path"], row["true_label"], row["predicted_label"], f"{row['confidence']:.6f}"])
+                writer.writerow([printable(row["path"]), printable(row["true_label"]),
+                                 printable(row["predicted_label"]), f"{row['confidence']:.6f}"])
 
     atomic_write(folder / "predictions.csv", write_csv)
     _save_figure(_confusion_figure(report), folder / "confusion_matrix.png")
     _save_figure(_mistakes_figure(report.predictions, heatmaps=heatmaps), folder / "mistakes.png")
-    text = json.dumps(report.to_dict(), indent=2) + "\n"
+    text = json.dumps(printable_tree(report.to_dict()), indent=2) + "\n"
     atomic_write(folder / "report.json", lambda tmp: tmp.write_text(text, encoding="utf-8"))
     report.output = folder
     return folder
@@ -439,9 +492,10 @@ def _confusion_figure(report: EvalReport):
     image = ax.imshow(norm, cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
     fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="fraction of the true class")
     if k <= 100:
-        ax.set_xticks(range(k), report.classes, rotation=45 if k <= 20 else 90, ha="right" if k <= 20 else "center",
+        names = [printable(c) for c in report.classes]
+        ax.set_xticks(range(k), names, rotation=45 if k <= 20 else 90, ha="right" if k <= 20 else "center",
                       fontsize=10 if k <= 20 else 6)
-        ax.set_yticks(range(k), report.classes, fontsize=10 if k <= 20 else 6)
+        ax.set_yticks(range(k), names, fontsize=10 if k <= 20 else 6)
     if k <= 25:
         for i in range(k):
             for j in range(k):
@@ -516,10 +570,10 @@ def _mistakes_figure(predictions: list[dict], n: int = N_MISTAKES,
             ax.imshow(thumb, interpolation="nearest")  # pre-sized: cheap to draw
         except Exception:  # noqa: BLE001 - the file changed since: show the labels anyway
             ax.text(0.5, 0.5, "(unreadable)", ha="center", va="center")
-        name = Path(p["path"]).name
+        name = printable(Path(p["path"]).name)
         name = name if len(name) <= 30 else "..." + name[-27:]
-        ax.set_title(f"true: {p['true_label']}\npred: {p['predicted_label']} ({100 * p['confidence']:.0f}%)\n{name}",
-                     fontsize=9)
+        ax.set_title(printable(f"true: {p['true_label']}\npred: {p['predicted_label']} ({100 * p['confidence']:.0f}%)"
+                               f"\n{name}"), fontsize=9)
         ax.axis("off")
     fig.suptitle("most confident mistakes", y=1 - 0.1 / height, va="top")
     return fig
@@ -611,12 +665,12 @@ def write_predictions(rows: Iterable[Prediction], file: IO[str], fmt: str, top_k
     for row in rows:
         good, bad = (good, bad + 1) if row.error is not None else (good + 1, bad)
         if writer is not None:
-            cells = [row.path]
+            cells = [printable(row.path)]
             for i in range(top_k):
-                cells += [row.labels[i], f"{row.probs[i]:.6f}"] if i < len(row.labels) else ["", ""]
-            writer.writerow(cells + [row.error or ""])
+                cells += [printable(row.labels[i]), f"{row.probs[i]:.6f}"] if i < len(row.labels) else ["", ""]
+            writer.writerow(cells + [printable(row.error or "")])
         else:
-            file.write(json.dumps(row.to_dict()) + "\n")
+            file.write(json.dumps(printable_tree(row.to_dict())) + "\n")
         file.flush()
     return good, bad
 
@@ -688,8 +742,11 @@ def print_report(report: EvalReport, console=None) -> None:
     """The report as rich tables on a terminal, as plain aligned text when piped."""
     from rich import box
     from rich.console import Console
-    from rich.markup import escape
+    from rich.markup import escape as rich_escape
     from rich.table import Table
+
+    def escape(text: str) -> str:  # rich markup escaped, undecodable file name bytes as \xNN
+        return rich_escape(printable(text))
 
     console = console or Console()
     style = box.SIMPLE_HEAD if console.is_terminal else None
@@ -743,15 +800,15 @@ def print_report(report: EvalReport, console=None) -> None:
 def evaluate_command(model: str, data: str, split: Optional[str] = None, arch: Optional[str] = None,
                      pretrained: bool = False, img_size: Optional[int] = None, tta: bool = False,
                      batch_size: int = 64, workers: Optional[int] = None, device: str = "auto",
-                     precision: str = "fp32", output: Optional[str] = None,
-                     explain: Optional[str] = None) -> EvalReport:
+                     precision: str = "fp32", output: Optional[str] = None, val_split: Optional[float] = None,
+                     seed: Optional[int] = None, explain: Optional[str] = None) -> EvalReport:
     """`vitft evaluate`: evaluate, write the files, print the report."""
     _check_model_arg(model, arch, pretrained)
     out = Path(output).expanduser() if output else default_output(model)
     with _ProgressBar("evaluating") as bar:
         report = evaluate(model, data, split=split, img_size=img_size, tta=tta, batch_size=batch_size,
                           workers=workers, device=device, precision=precision, output=out, arch=arch, progress=bar,
-                          explain=explain)
+                          val_split=val_split, seed=seed, explain=explain)
     print_report(report)
     return report
 
@@ -787,7 +844,7 @@ def predict_command(model: str, inputs: list[str], arch: Optional[str] = None, p
             counts.append(write_predictions(rows, sys.stdout, fmt, rows.top_k))
     good, bad = counts[0]
     if output:
-        err.print(f"wrote {good} prediction(s) to {escape(str(output))}", highlight=False, soft_wrap=True)
+        err.print(f"wrote {good} prediction(s) to {escape(printable(str(output)))}", highlight=False, soft_wrap=True)
     if bad:
         err.print(f"[yellow]warning:[/] {bad} of {good + bad} file(s) could not be read; their rows have an "
                   f"error field", highlight=False, soft_wrap=True)

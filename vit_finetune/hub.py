@@ -38,7 +38,9 @@ DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16":
 TAGS = ["image-classification", "timm", "vitft", "vision-transformer"]
 # TrainConfig fields about the machine or the run's bookkeeping, not the recipe: kept out of the card
 _NOT_HYPERPARAMETERS = {"data", "output", "overwrite", "cache", "workers", "device", "quiet", "tensorboard",
-                        "save_every", "push_to_hub", "compile", "grad_checkpointing", "resume"}
+                        "save_every", "push_to_hub", "compile", "grad_checkpointing", "max_steps_per_epoch"}
+# TrainConfig fields that name weights or an architecture: public only as a Hub id or a timm name, never a path
+_WEIGHT_NAMES = ("pretrained", "model")
 _SPLIT_NAMES = {"train", "val", "valid", "validation", "test", "seg_train", "seg_test", "seg_pred", "images", "data"}
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
@@ -110,11 +112,35 @@ def _is_local_path(value: Any) -> bool:
     return False
 
 
+def _public_weights(value: Any) -> bool:
+    """Whether a `pretrained`/`model` value may be published: none/true, hf-hub:ID or a timm name or alias.
+
+    Anything else is a local file or folder (`weights/private.pth`, `./runs/x`), whose path stays private.
+    """
+    if value is None or isinstance(value, bool):
+        return True
+    spec = str(value).strip()
+    if spec.lower() in ("", "none", "false", "true"):
+        return True
+    if spec.startswith("hf-hub:"):
+        return _REPO_ID.fullmatch(spec[len("hf-hub:"):].split("@", 1)[0]) is not None
+    if Path(spec).expanduser().exists():  # a local folder or file, whatever it is called
+        return False
+    from .archs import split_name
+
+    try:
+        split_name(spec)
+    except VitftError:
+        return False
+    return True
+
+
 def _hyperparameters(train: dict) -> dict:
     """The recipe part of the training config: no machine settings, no local paths."""
     out = {}
     for key, value in train.items():
-        if key in _NOT_HYPERPARAMETERS or value is None or _is_local_path(value):
+        if key in _NOT_HYPERPARAMETERS or value is None or _is_local_path(value) or (
+                key in _WEIGHT_NAMES and not _public_weights(value)):
             continue
         if isinstance(value, (str, int, float, bool)) or (
                 isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float, bool)) for v in value)):
@@ -132,11 +158,10 @@ def base_model(train: dict) -> Optional[str]:
     spec = str(pretrained).strip()
     if spec.lower() == "true":
         spec = str(model or "")
+    if not spec or not _public_weights(spec):
+        return None
     if spec.startswith("hf-hub:"):
         return spec[len("hf-hub:"):].split("@", 1)[0] or None
-    if not spec or _is_local_path(spec) or Path(spec).exists() or spec.endswith((".safetensors", ".pth", ".pt",
-                                                                                  ".bin", ".ckpt", ".npz")):
-        return None
     from .weights import resolve
 
     try:
@@ -245,6 +270,24 @@ def _resized_note(config: dict, size: tuple[int, int]) -> str:
     return f" (trained at {trained[1]} x {trained[2]}; position embedding resized for this export)"
 
 
+def _validation_result(best: dict) -> dict:
+    """The run's best validation top-1 as a report-like dict, for the card of a run never evaluated."""
+    top1 = _number(best.get("val_top1"))
+    if top1 is None:
+        return {}
+    return {"accuracy": top1 / 100 if top1 > 1 else top1, "data": {"split": "validation"}}
+
+
+def _architecture_args(model) -> str:
+    """The architecture hyperparameters that differ from the named architecture's, e.g. 'depth=6, patch_size=8'.
+
+    Dropout rates are left out: they change training, not the network.
+    """
+    args = {k: v for k, v in getattr(model, "model_args", {}).items() if not k.endswith("_rate")}
+    show = lambda v: "x".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)  # noqa: E731
+    return ", ".join(f"{k}={show(v)}" for k, v in sorted(args.items()))
+
+
 def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, dtype: str = "fp32",
                dataset: Optional[str] = None, images: tuple[str, ...] = (), onnx: bool = False) -> str:
     """The README.md text for a run: YAML metadata (the Hub's model card format), then the card itself.
@@ -252,7 +295,11 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
     `repo_id` is the repo the card will live in (a placeholder in the usage snippets without it);
     `model` the loaded model (read from the run when None); `images` the card images next to it;
     `onnx` whether a model.onnx is next to it (an onnxruntime usage snippet).
+    The model-index holds the evaluation report's results, else the run's best validation top-1 (as the
+    split "validation"). Names that are not UTF-8 (file names read as surrogates) are written as \\xNN.
     """
+    from .data import printable, printable_tree
+
     import yaml
 
     run = _check_run(run_dir)
@@ -280,14 +327,16 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
         meta["base_model"] = base
     if dataset_id:
         meta["datasets"] = [dataset_id]
-    if report:
+    results = report or _validation_result(best)
+    if results:
         meta["metrics"] = ["accuracy"]
-    index = _model_index(name, report, dataset_id, dataset_name) if report else []
+    index = _model_index(name, results, dataset_id, dataset_name) if results else []
     if index:
         meta["model-index"] = index
-    front = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True, default_flow_style=False)
+    front = yaml.safe_dump(printable_tree(meta), sort_keys=False, allow_unicode=True, default_flow_style=False)
 
     arch = cfg.get("architecture", "vit")
+    overrides = _architecture_args(model)
     params = sum(p.numel() for p in model.parameters()) / 1e6
     size = model.patch_embed.img_size
     origin = f"fine-tuned from [`{base}`](https://huggingface.co/{base})" if base else "trained from scratch"
@@ -298,7 +347,8 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
            f"[vitft](https://pypi.org/project/vit-finetune/). The weights are in timm's format: timm and vitft "
            f"both load them by name.\n",
            "## Model details\n",
-           f"- **Architecture:** `{arch}` (timm), {params:.1f} M parameters",
+           f"- **Architecture:** `{arch}` (timm){f' with {overrides}' if overrides else ''}, "
+           f"{params:.1f} M parameters",
            f"- **Fine-tuned from:** {f'[`{base}`](https://huggingface.co/{base})' if base else 'none (random init)'}",
            f"- **Input size:** {size[0]} x {size[1]}" + _resized_note(info["config"], size),
            f"- **Preprocessing:** mean {_md(cfg.get('mean', '-'))}, std {_md(cfg.get('std', '-'))}, "
@@ -380,7 +430,7 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
         from .onnx_export import onnx_usage
 
         out += onnx_usage(repo, cfg, size, k)
-    return "\n".join(out)
+    return printable("\n".join(out))
 
 
 # ---- export -------------------------------------------------------------------------------------------
@@ -413,16 +463,21 @@ def _plain_permissions(folder: Path) -> None:
 
 
 def _install(staging: Path, out: Path) -> None:
-    """Move the finished export into place: a rename for a new folder, file by file over an old export."""
+    """Move the finished export into place: a rename for a new folder, file by file over an old export.
+
+    Over an old export every file is renamed over its old version (none is ever missing), config.json before
+    model.safetensors as save_pretrained does, then the old export's files that the new one lacks are removed.
+    """
     if out.is_dir() and not any(out.iterdir()):
         out.rmdir()
     if not out.exists():
         os.replace(staging, out)
         return
     for name in EXPORT_FILES:
-        (out / name).unlink(missing_ok=True)
-    for item in staging.iterdir():
-        os.replace(item, out / item.name)
+        if (staging / name).exists():
+            os.replace(staging / name, out / name)
+        else:
+            (out / name).unlink(missing_ok=True)
 
 
 def _check_img_size(config: dict, img_size: Optional[int]) -> None:

@@ -463,8 +463,8 @@ def load_weights(model: VisionTransformer, path: Path, cfg: Optional[dict] = Non
 
 
 # ---- writing model folders ------------------------------------------------------------------------
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Run `write(tmp)` then rename over `path`: readers never see a half-written file."""
+def _write_temp(path: Path, write: Callable[[Path], None]) -> Path:
+    """Run `write(tmp)` on a temporary file next to `path` and flush it to disk; returns tmp (removed on error)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -476,9 +476,19 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         write(Path(tmp))
         with open(tmp, "rb+") as f:  # on disk before the rename: a crash leaves the old file, not an empty one
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+    return Path(tmp)
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Run `write(tmp)` then rename over `path`: readers never see a half-written file."""
+    tmp = _write_temp(path, write)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -513,15 +523,30 @@ def _timm_model_args() -> set[str]:
 
 def save_pretrained(model: VisionTransformer, folder: Union[str, Path], extra_config: Optional[dict] = None,
                     dtype: Optional[torch.dtype] = None) -> Path:
-    """Write config.json + model.safetensors (each atomically) so timm and vitft both load the folder."""
+    """Write config.json + model.safetensors so timm and vitft both load the folder, replacing both together.
+
+    Both files are written in full to temporary files first (the slow part), then renamed into place one after
+    the other: config.json first, model.safetensors second. A reader never sees a half-written file; one that
+    reads in the instant between the two renames, or after a crash there, finds the new config.json with the
+    previous weights, never new weights under the previous label names and preprocessing.
+    """
     from safetensors.torch import save_file
 
     folder = Path(folder)
     state = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).detach().cpu().contiguous()
              for k, v in model.state_dict().items()}
-    atomic_write(folder / "model.safetensors", lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
     text = json.dumps(model_config(model, extra_config), indent=2) + "\n"
-    atomic_write(folder / "config.json", lambda tmp: tmp.write_text(text))
+    weights = _write_temp(folder / "model.safetensors",
+                          lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+    try:
+        config = _write_temp(folder / "config.json", lambda tmp: tmp.write_text(text))
+        try:
+            os.replace(config, folder / "config.json")
+        finally:
+            config.unlink(missing_ok=True)
+        os.replace(weights, folder / "model.safetensors")
+    finally:
+        weights.unlink(missing_ok=True)
     return folder
 
 
