@@ -26,6 +26,7 @@ from typing import Any, Iterator, Optional, Union
 
 from .errors import VitftError
 from .onnx_export import ONNX_FILES
+from .refs import RefKind, parse_ref
 
 log = logging.getLogger("vitft")
 
@@ -105,11 +106,7 @@ def _torch_dtype(dtype: str):
 
 
 def _is_local_path(value: Any) -> bool:
-    if not isinstance(value, str) or not value:
-        return False
-    if value.startswith(("./", "../", "~", "local-dir:")) or Path(value).expanduser().is_absolute():
-        return True
-    return False
+    return isinstance(value, str) and parse_ref(value).is_local
 
 
 def _public_weights(value: Any) -> bool:
@@ -117,19 +114,15 @@ def _public_weights(value: Any) -> bool:
 
     Anything else is a local file or folder (`weights/private.pth`, `./runs/x`), whose path stays private.
     """
-    if value is None or isinstance(value, bool):
+    ref = parse_ref(value)
+    if ref.kind in (RefKind.NONE, RefKind.DEFAULT):
         return True
-    spec = str(value).strip()
-    if spec.lower() in ("", "none", "false", "true"):
-        return True
-    if spec.startswith("hf-hub:"):
-        return _REPO_ID.fullmatch(spec[len("hf-hub:"):].split("@", 1)[0]) is not None
-    if Path(spec).expanduser().exists():  # a local folder or file, whatever it is called
+    if ref.kind is RefKind.HUB:
+        return _REPO_ID.fullmatch(ref.target) is not None
+    if ref.kind is not RefKind.NAME:
         return False
-    from .archs import split_name
-
     try:
-        split_name(spec)
+        ref.arch_tag
     except VitftError:
         return False
     return True
@@ -152,20 +145,17 @@ def _hyperparameters(train: dict) -> dict:
 
 def base_model(train: dict) -> Optional[str]:
     """The Hub repo id of the weights a run was fine-tuned from; None from scratch or from local weights."""
-    pretrained, model = train.get("pretrained"), train.get("model")
-    if pretrained is None or pretrained is False or str(pretrained).strip().lower() in ("", "none", "false"):
+    ref, model = parse_ref(train.get("pretrained")), train.get("model")
+    if ref.kind is RefKind.DEFAULT:
+        ref = parse_ref(model or "")
+    if ref.kind is RefKind.NONE or not _public_weights(ref.text):
         return None
-    spec = str(pretrained).strip()
-    if spec.lower() == "true":
-        spec = str(model or "")
-    if not spec or not _public_weights(spec):
-        return None
-    if spec.startswith("hf-hub:"):
-        return spec[len("hf-hub:"):].split("@", 1)[0] or None
+    if ref.kind is RefKind.HUB:
+        return ref.target or None
     from .weights import resolve
 
     try:
-        source = resolve(str(model), spec) if model and spec != model else resolve(spec, True)
+        source = resolve(str(model), ref.text) if model and ref.text != model else resolve(ref.text, True)
     except Exception:  # noqa: BLE001 - an unknown name only costs the card its base_model line
         return None
     hub_id = source.pretrained_cfg.get("hf_hub_id")
@@ -283,7 +273,7 @@ def _architecture_args(model) -> str:
 
     Dropout rates are left out: they change training, not the network.
     """
-    args = {k: v for k, v in getattr(model, "model_args", {}).items() if not k.endswith("_rate")}
+    args = {k: v for k, v in model.model_args.items() if not k.endswith("_rate")}
     show = lambda v: "x".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)  # noqa: E731
     return ", ".join(f"{k}={show(v)}" for k, v in sorted(args.items()))
 
@@ -453,15 +443,6 @@ def _staging_dir(out: Path) -> Path:
         raise VitftError(f"cannot write to {out.parent}: {err}") from err
 
 
-def _plain_permissions(folder: Path) -> None:
-    """Temporary files are private (0600/0700): give the export the modes a plain write would have."""
-    mask = os.umask(0)
-    os.umask(mask)
-    folder.chmod(0o777 & ~mask)
-    for item in folder.iterdir():
-        item.chmod(0o666 & ~mask)
-
-
 def _install(staging: Path, out: Path) -> None:
     """Move the finished export into place: a rename for a new folder, file by file over an old export.
 
@@ -528,7 +509,7 @@ def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwri
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise VitftError(f"{out} already exists and is not empty; pass --overwrite to replace the exported files "
                          "in it, or pick another folder")
-    from .weights import load_model, save_pretrained
+    from .weights import load_model, plain_permissions, save_pretrained
 
     info = _run_info(run)
     _check_img_size(info["config"], img_size)
@@ -546,7 +527,7 @@ def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwri
             export_onnx(model, staging)
         card = model_card(run, repo_id, model=model, dtype=dtype, dataset=dataset, images=images, onnx=onnx)
         (staging / "README.md").write_text(card, encoding="utf-8")
-        _plain_permissions(staging)
+        plain_permissions(staging)
         _install(staging, out)
     except OSError as err:
         raise VitftError(f"cannot write the export to {out}: {err}") from err
