@@ -18,7 +18,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Optional, Union
 
@@ -94,6 +94,21 @@ class EvalReport:
             "preprocessing": self.preprocessing,
             "runtime": self.runtime,
         }
+
+    @classmethod
+    def from_dict(cls, values: dict) -> EvalReport:
+        """The report `to_dict()` wrote (report.json), without its predictions."""
+        kept = {f.name: values[f.name] for f in fields(cls) if f.name not in ("predictions", "output")}
+        return cls(**dict(kept, confusion=np.asarray(kept["confusion"])))
+
+    @classmethod
+    def load(cls, path: Union[str, os.PathLike]) -> EvalReport:
+        """report.json as written by `write_report`; a VitftError for anything else."""
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise VitftError(f"cannot read the evaluation report {path} ({type(err).__name__}: {err}); "
+                             "write it again with `vitft evaluate`") from err
 
 
 @dataclass
