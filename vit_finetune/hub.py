@@ -285,8 +285,7 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
     repo = repo_id or PLACEHOLDER_REPO
     name = repo_id.split("/")[-1] if repo_id else run.resolve().name
     base = base_model(train)
-    dataset_id = _hub_dataset(dataset, data.get("hub_id"), data.get("dataset"), train.get("dataset"),
-                              data.get("root"), train.get("data"))
+    dataset_id = _hub_dataset(dataset, data.get("root"), train.get("data"))
     dataset_name = dataset_id or _dataset_name(report.data.get("root") if report else None) \
         or _dataset_name(data.get("root")) or _dataset_name(train.get("data"))
     labels = list(cfg.get("label_names") or data.get("classes") or [])

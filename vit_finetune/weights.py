@@ -353,23 +353,26 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 TIMM_FILTER_LAYOUT = "converted by timm's filter"
 
 
+_GAMMA_KEY = re.compile(r"\.gamma_\d$")  # LayerScale as DeiT-3 and BEiT name it (timm: .ls1.gamma)
+
+
 def is_timm_layout(state: dict) -> bool:
     """timm's own names (vitft's too): a conv patch embedding, and nothing timm's filter would rename."""
     patch = state.get("patch_embed.proj.weight")
     return patch is not None and patch.ndim == 4 and "mask_token" not in state and not any(
-        re.search(r"\.gamma_\d$", k) for k in state)
+        _GAMMA_KEY.search(k) for k in state)
 
 
-def timm_filter(state: dict, model: VisionTransformer, arch: str) -> dict:
+def timm_filter(state: dict, model: VisionTransformer) -> dict:
     """Foreign layouts as timm adapts them on load: OpenAI CLIP, OpenCLIP, original DINOv2 (mask_token,
     register tokens, w12/w3), BEiT-3, DeiT-3's gamma_ LayerScale, a linear patch embedding...
 
-    timm's `checkpoint_filter_fn` (DeiT's: with adapt_layer_scale), which reads only the parameter shapes
-    and token settings that the native model shares with timm's.
+    timm's `checkpoint_filter_fn`, with adapt_layer_scale where there are gamma_ keys (as DeiT's filter),
+    which reads only the parameter shapes and token settings that the native model shares with timm's.
     """
     from timm.models.vision_transformer import checkpoint_filter_fn
 
-    return checkpoint_filter_fn(state, model, adapt_layer_scale=arch.startswith("deit"))
+    return checkpoint_filter_fn(state, model, adapt_layer_scale=any(_GAMMA_KEY.search(k) for k in state))
 
 
 def is_torchvision(state: dict) -> bool:
@@ -501,7 +504,7 @@ def load_weights(model: VisionTransformer, path: Path, cfg: Optional[dict] = Non
         state, report.dropped = convert.convert_state_dict(state, transformers_layout)
         report.layout = f"transformers {transformers_layout}"
     elif not is_timm_layout(state):
-        state, report.layout = timm_filter(state, model, (cfg or {}).get("architecture", "")), TIMM_FILTER_LAYOUT
+        state, report.layout = timm_filter(state, model), TIMM_FILTER_LAYOUT
     state = adapt_state_dict(state, model, cfg, report)
     own = model.state_dict()
     head_missing = [k for k in HEAD_KEYS if k in own and k not in state]
