@@ -27,9 +27,12 @@ from vit_finetune.hub import base_model, export, resolve_token
 TOKEN = "hf_vitftTestToken0123456789abcdef"
 TOKEN2 = "hf_otherTestToken9876543210fedcba"
 REPO = "user/tiny-intel"
-REPORT = {"accuracy": 0.8125, "top5": 0.99, "loss": 0.61, "macro_f1": 0.8, "weighted_f1": 0.81,
+REPORT = {"accuracy": 0.8125, "top5": 0.99, "loss": 0.61, "macro_f1": 0.8, "weighted_f1": 0.81, "num_images": 60,
+          "images_per_s": 100.0,
           "per_class": {c: {"precision": 0.8, "recall": 0.75, "f1": 0.77, "support": 10} for c in CLASSES},
-          "classes": CLASSES, "data": {"root": "/data/intel/seg_test", "split": "test", "num_images": 60}}
+          "confused_pairs": [], "classes": CLASSES, "confusion": [[10] * len(CLASSES)] * len(CLASSES),
+          "absent_classes": [], "skipped": [], "model": {}, "preprocessing": {}, "runtime": {},
+          "data": {"root": "/data/intel/seg_test", "split": "test", "num_images": 60}}  # report.json's schema
 BASE = "timm/vit_base_patch16_224.augreg2_in21k_ft_in1k"
 LOGITS = """
 import json, sys, torch
@@ -380,6 +383,17 @@ def test_local_weights_paths_stay_private(tiny_model_dir, tmp_path):
         assert _hyperparameters({"pretrained": value})["pretrained"] == value
     for value in ("weights/private.pth", "private.safetensors", str(tmp_path), "runs/best", "local-dir:x"):
         assert "pretrained" not in _hyperparameters({"pretrained": value}), value
+
+
+def test_report_json_round_trips_through_eval_report(tmp_path):
+    from vit_finetune import VitftError
+    from vit_finetune.evaluate import EvalReport
+
+    (tmp_path / "report.json").write_text(json.dumps(REPORT))
+    assert EvalReport.load(tmp_path / "report.json").to_dict() == REPORT
+    (tmp_path / "report.json").write_text(json.dumps({"accuracy": 0.5}))  # not what evaluate writes
+    with pytest.raises(VitftError, match="cannot read the evaluation report"):
+        EvalReport.load(tmp_path / "report.json")
 
 
 def test_not_hyperparameters_are_train_config_fields():

@@ -190,6 +190,48 @@ def test_hf_cache_offline(tmp_path, monkeypatch):
     assert "not in the local HF cache" in empty["error"] and "HF_HUB_OFFLINE" in empty["error"]
 
 
+UNREACHABLE_SCRIPT = textwrap.dedent("""
+    import logging, sys, time
+    from vit_finetune import VitftError, create_model
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    start = time.monotonic()
+    try:
+        create_model("vit_tiny_patch16_224", pretrained=True)
+    except VitftError as err:
+        print(f"{time.monotonic() - start:.1f}")
+        print(err)
+""")
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on once the socket is closed
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("endpoint", ["http://vitft-no-such-host.invalid", "closed port"])
+def test_unreachable_hub_fails_fast_and_names_the_ways_out(tmp_path, endpoint):
+    """No host (or nothing listening): one line on what is fetched from where, then the error, within seconds
+    and without huggingface_hub's retries (about 30 s of 'Retrying in 8s' lines before)."""
+    if endpoint == "closed port":
+        endpoint = f"http://127.0.0.1:{_closed_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=endpoint, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", UNREACHABLE_SCRIPT], env=env, text=True, capture_output=True,
+                          timeout=300)
+    seconds, message = proc.stdout.strip().split("\n", 1)
+    assert float(seconds) < 8, proc.stderr
+    assert "Retrying" not in proc.stderr + proc.stdout
+    fetching = [line for line in proc.stderr.splitlines() if line.startswith("fetching ")]
+    assert len(fetching) == 1 and "timm/vit_tiny_patch16_224.augreg_in21k_ft_in1k" in fetching[0], proc.stderr
+    assert endpoint in fetching[0]
+    assert "not in the local HF cache" in message and endpoint in message
+    assert "--pretrained PATH" in message and "HF_HUB_OFFLINE=1" in message
+
+
 # ---- torchvision checkpoints ---------------------------------------------------------------------
 def test_torchvision_vit_b_16_checkpoint(tmp_path):
     import torchvision

@@ -18,6 +18,7 @@ import torch
 from .archs import get_arch, list_archs
 from .errors import VitftError
 from .model import VisionTransformer
+from .pos_embed import _pair
 
 LAYOUTS = ("vit", "deit", "dinov2")
 # the transformers classes whose weights map onto a native ViT one to one
@@ -99,10 +100,6 @@ def _mlp_ratio(hidden: int, dim: int) -> float:
     """A ratio r with int(dim * r) == hidden, as both the native model and timm size the MLP."""
     ratio = hidden / dim
     return ratio if int(dim * ratio) == hidden else (hidden + 0.5) / dim
-
-
-def _pair(value) -> tuple[int, int]:
-    return (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
 
 
 def _preprocessing(pre: dict, image_size: tuple[int, int]) -> tuple[dict, tuple[int, int]]:

@@ -27,6 +27,7 @@ from timm.data.constants import DEFAULT_CROP_PCT, IMAGENET_DEFAULT_MEAN, IMAGENE
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, get_worker_info
 
 from vit_finetune.errors import VitftError
+from vit_finetune.pos_embed import _pair
 from vit_finetune.runtime import CpuPlan, fit_cpu_threads, torch_threads
 
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # albumentations would otherwise ask PyPI on every import
@@ -271,10 +272,6 @@ def _shrunk(w: int, h: int, max_short_side: int | None) -> tuple[int, int]:
     return max_short_side, max(1, round(long * max_short_side / short))
 
 
-def _hw(size: int | Sequence[int]) -> tuple[int, int]:
-    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
-
-
 def _probe(path: Path) -> tuple[int, int] | str:
     """(width, height) from the file header alone, or why the file is not a readable image."""
     try:
@@ -283,7 +280,13 @@ def _probe(path: Path) -> tuple[int, int] | str:
     except UnidentifiedImageError:
         return "empty file" if path.stat().st_size == 0 else "not an image"
     except Exception as e:  # unreadable for any other reason: permissions, a broken symlink, a decompression bomb...
-        return f"{type(e).__name__}: {e}"
+        return f"unreadable ({type(e).__name__}: {e})"
+
+
+def unreadable_reason(path: Path) -> str:
+    """Why `path` is not a readable image (for a file left out of a dataset)."""
+    probe = _probe(path)
+    return probe if isinstance(probe, str) else "not a readable image"
 
 
 def _few(items: Sequence, k: int = 3) -> str:
@@ -296,6 +299,7 @@ def _few(items: Sequence, k: int = 3) -> str:
 def build_transforms(
     pretrained_cfg: dict,
     img_size: int | tuple[int, int],
+    *,
     train: bool,
     scale: tuple[float, float] = (0.08, 1.0),
     ratio: tuple[float, float] = (3 / 4, 4 / 3),
@@ -307,7 +311,7 @@ def build_transforms(
 
     Training uses albumentations (cv2 is faster than PIL); evaluation is timm's own eval transform (EvalTransform).
     """
-    h, w = _hw(img_size)
+    h, w = _pair(img_size)
     name = pretrained_cfg.get("interpolation", "bicubic")
     if name not in INTERPOLATIONS:
         raise VitftError(f"unknown interpolation {name!r} in pretrained_cfg; use one of {', '.join(INTERPOLATIONS)}")
@@ -428,7 +432,7 @@ class ImageDataset(Dataset):
         self.failed = torch.zeros(len(self.paths), dtype=torch.bool).share_memory_()  # set by any worker
         self.transform, self.return_index, self.name, self.cache = transform, return_index, name, cache
         self.img_size = img_size
-        side = max(_hw(img_size)) if img_size else None
+        side = max(_pair(img_size)) if img_size else None
         self.cache_side = math.ceil(1.15 * max(side / crop_pct, side)) if cache and side else None
         self._cache: torch.Tensor | None = None
         self._reported = 0
@@ -528,15 +532,14 @@ class _Loader(DataLoader):
             self.dataset.report_skipped()
 
 
-# Single-core costs per image, measured on a 2-core Xeon: decoding a JPEG ~18 ns per file pixel, augmenting
-# ~10 ns per output pixel, a ViT-Ti step (forward + backward) ~4 us per input pixel (larger ViTs cost more),
-# inference about a third of a step.
+# Single-core milliseconds per pixel (measured: see the README's performance notes): decoding a JPEG, per file
+# pixel; augmenting, per output pixel; a ViT-Ti training step, per input pixel (inference: a third of it).
 _DECODE_MS_PER_PIXEL, _AUGMENT_MS_PER_PIXEL, _STEP_MS_PER_PIXEL = 18e-6, 10e-6, 4e-3
 
 
 def _work_per_image(dataset: Dataset, train: bool) -> tuple[float, float]:
     """(data, model) single-core milliseconds per image: what fit_cpu_threads divides the cores by."""
-    h, w = _hw(getattr(dataset, "img_size", None) or 224)
+    h, w = _pair(getattr(dataset, "img_size", None) or 224)
     data_ms = _AUGMENT_MS_PER_PIXEL * h * w
     sizes = getattr(dataset, "sizes", None)
     if sizes and not getattr(dataset, "cache", False):  # cached images are decoded once, not at every step
@@ -548,6 +551,7 @@ def _work_per_image(dataset: Dataset, train: bool) -> tuple[float, float]:
 def build_loader(
     dataset: Dataset,
     batch_size: int,
+    *,
     train: bool,
     workers: int | None = None,
     device_type: str = "cpu",

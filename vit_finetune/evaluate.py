@@ -18,7 +18,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Optional, Union
 
@@ -28,11 +28,13 @@ import torch.nn.functional as F
 from timm.data.constants import DEFAULT_CROP_PCT, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 from .data import (ImageDataset, build_loader, build_transforms, find_dataset, list_images, load_rgb, printable,
-                   printable_tree)
+                   printable_tree, unreadable_reason)
 from .errors import VitftError
 from .model import VisionTransformer
+from .pos_embed import _pair
+from .refs import RefKind, parse_ref
 from .runtime import check_precision, compute_context, resolve_device
-from .weights import TORCH_SUFFIXES, atomic_write, describe_weights, load_model
+from .weights import atomic_write, describe_weights, load_model
 
 log = logging.getLogger("vitft")
 
@@ -93,6 +95,21 @@ class EvalReport:
             "runtime": self.runtime,
         }
 
+    @classmethod
+    def from_dict(cls, values: dict) -> EvalReport:
+        """The report `to_dict()` wrote (report.json), without its predictions."""
+        kept = {f.name: values[f.name] for f in fields(cls) if f.name not in ("predictions", "output")}
+        return cls(**dict(kept, confusion=np.asarray(kept["confusion"])))
+
+    @classmethod
+    def load(cls, path: Union[str, os.PathLike]) -> EvalReport:
+        """report.json as written by `write_report`; a VitftError for anything else."""
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise VitftError(f"cannot read the evaluation report {path} ({type(err).__name__}: {err}); "
+                             "write it again with `vitft evaluate`") from err
+
 
 @dataclass
 class Prediction:
@@ -132,16 +149,21 @@ class Predictions(Iterator[Prediction]):
 # ----------------------------------------------------------------------------- shared helpers
 
 
-def _hw(size) -> tuple[int, int]:
-    return (int(size), int(size)) if isinstance(size, (int, np.integer)) else (int(size[0]), int(size[1]))
+def label_names(model: VisionTransformer) -> list[str]:
+    """The model's class names, else (with a warning) its class indices as strings."""
+    names = model.pretrained_cfg.get("label_names")
+    if names and len(names) == model.num_classes:
+        return [str(n) for n in names]
+    log.warning("the model has no label names: labels are class indices")
+    return [str(i) for i in range(model.num_classes)]
 
 
 def _prepare_model(model: ModelLike, arch: Optional[str], img_size) -> tuple[VisionTransformer, Optional[str]]:
     """(model, source string): loads paths/names with load_model; a built model is copied if it must be resized."""
     if isinstance(model, VisionTransformer):
-        if img_size is not None and _hw(img_size) != tuple(model.patch_embed.img_size):
+        if img_size is not None and _pair(img_size) != tuple(model.patch_embed.img_size):
             model = copy.deepcopy(model)
-            model.set_input_size(_hw(img_size))
+            model.set_input_size(_pair(img_size))
         return model, None
     if isinstance(model, torch.nn.Module):
         raise VitftError(f"evaluate/predict take a vitft VisionTransformer or a model path/name, not a "
@@ -214,21 +236,6 @@ def _worker_errors_unwrapped(loader: Iterable) -> Iterator:
             raise
         last = text.strip().splitlines()[-1]
         raise VitftError(last.removeprefix(f"{VitftError.__module__}.{VitftError.__name__}: ")) from err
-
-
-def _unreadable_reason(path: Path) -> str:
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        if path.stat().st_size == 0:
-            return "empty file"
-        with Image.open(path):
-            pass
-    except UnidentifiedImageError:
-        return "not an image"
-    except Exception as e:  # noqa: BLE001 - permissions, broken symlink...: all mean "cannot read"
-        return f"unreadable ({type(e).__name__}: {e})"
-    return "not a readable image"
 
 
 # ----------------------------------------------------------------------------- evaluate
@@ -607,12 +614,7 @@ def predict(
     net, _ = _prepare_model(model, arch, img_size)
     if net.num_classes <= 0:
         raise VitftError("the model has no classifier head (num_classes=0); predict needs a classifier")
-    names = net.pretrained_cfg.get("label_names")
-    if names and len(names) == net.num_classes:
-        classes = [str(n) for n in names]
-    else:
-        log.warning("the model has no label names: predictions are class indices")
-        classes = [str(i) for i in range(net.num_classes)]
+    classes = label_names(net)
     k = min(top_k, len(classes))
     size = tuple(net.patch_embed.img_size)
     transform = build_transforms(net.pretrained_cfg, size, train=False)
@@ -620,7 +622,7 @@ def predict(
         dataset = ImageDataset(paths, transform, img_size=size, return_index=True, name="inputs",
                                crop_pct=net.pretrained_cfg.get("crop_pct", DEFAULT_CROP_PCT))
     except VitftError:  # not one readable image: every row is an error
-        rows = iter([Prediction(str(p), [], [], _unreadable_reason(p)) for p in paths])
+        rows = iter([Prediction(str(p), [], [], unreadable_reason(p)) for p in paths])
         return Predictions(rows, len(paths), k, classes)
     rows = _predict_rows(net, dataset, paths, classes, k, tta, batch_size, workers, dev, precision, progress)
     return Predictions(rows, len(paths), k, classes)
@@ -630,7 +632,7 @@ def _predict_rows(net, dataset: ImageDataset, paths: list[Path], classes: list[s
                   batch_size: int, workers: Optional[int], device: torch.device, precision: str,
                   progress: Optional[ProgressFn]) -> Iterator[Prediction]:
     position = {p: i for i, p in enumerate(paths)}
-    ready = {position[p]: Prediction(str(p), [], [], _unreadable_reason(p)) for p in dataset.unreadable}
+    ready = {position[p]: Prediction(str(p), [], [], unreadable_reason(p)) for p in dataset.unreadable}
     next_row = done = 0
     try:
         for requested, used, logp in _infer(net, dataset, batch_size, workers, device, precision, tta, progress):
@@ -680,11 +682,10 @@ def write_predictions(rows: Iterable[Prediction], file: IO[str], fmt: str, top_k
 
 def _check_model_arg(model: str, arch: Optional[str], pretrained: bool) -> None:
     """Clear errors for a missing path, and for a timm name given without --pretrained."""
-    path = Path(model).expanduser()
-    if path.exists() or model.startswith(("hf-hub:", "local-dir:")) or (arch and pretrained):
+    ref = parse_ref(model)
+    if ref.kind in (RefKind.FOLDER, RefKind.FILE, RefKind.HUB, RefKind.LOCAL_DIR) or (arch and pretrained):
         return
-    looks_like_path = "/" in model or os.sep in model or path.suffix in (".safetensors", *TORCH_SUFFIXES)
-    if looks_like_path and not arch:
+    if ref.kind is RefKind.MISSING_PATH and not arch:
         raise VitftError(f"model {model} not found; pass a run or model folder, a weights file with --model ARCH, "
                          f"hf-hub:org/repo, or a timm name with --pretrained")
     if not arch and not pretrained:

@@ -36,7 +36,7 @@ from timm.data.constants import DEFAULT_CROP_PCT
 
 from .data import build_transforms, list_images, load_rgb
 from .errors import VitftError
-from .evaluate import ModelLike, ProgressFn, _check_args, _check_model_arg, _prepare_model, _ProgressBar
+from .evaluate import ModelLike, ProgressFn, _check_args, _check_model_arg, _prepare_model, _ProgressBar, label_names
 from .model import VisionTransformer
 from .runtime import compute_context
 from .weights import atomic_write
@@ -283,14 +283,6 @@ def _write_index(results: list[Explanation], folder: Path, title: str) -> Path:
 # ----------------------------------------------------------------------------- explain
 
 
-def _label_names(model: VisionTransformer) -> list[str]:
-    names = model.pretrained_cfg.get("label_names")
-    if names and len(names) == model.num_classes:
-        return [str(n) for n in names]
-    log.warning("the model has no label names: labels are class indices")
-    return [str(i) for i in range(model.num_classes)]
-
-
 def explain(
     model: ModelLike,
     images: Union[str, os.PathLike, Iterable[Union[str, os.PathLike]]],
@@ -322,7 +314,7 @@ def explain(
     if net.num_classes <= 0:
         raise VitftError("the model has no classifier head (num_classes=0); explain needs a classifier")
     _check_pooling(net)
-    classes = _label_names(net)
+    classes = label_names(net)
     target_index = None
     if target is not None:
         if method != "gradcam":

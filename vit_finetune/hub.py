@@ -26,6 +26,7 @@ from typing import Any, Iterator, Optional, Union
 
 from .errors import VitftError
 from .onnx_export import ONNX_FILES
+from .refs import RefKind, parse_ref
 
 log = logging.getLogger("vitft")
 
@@ -83,6 +84,19 @@ def _read_json(path: Path) -> Optional[dict]:
     return value
 
 
+def _read_report(run: Path):
+    """The run's evaluation report (report.json), if it has a readable one."""
+    from .evaluate import EvalReport
+
+    if not (run / "report.json").is_file():
+        return None
+    try:
+        return EvalReport.load(run / "report.json")
+    except VitftError as err:
+        log.warning("ignoring %s", err)
+        return None
+
+
 def _dict(value: Any) -> dict:
     return value if isinstance(value, dict) else {}
 
@@ -105,11 +119,7 @@ def _torch_dtype(dtype: str):
 
 
 def _is_local_path(value: Any) -> bool:
-    if not isinstance(value, str) or not value:
-        return False
-    if value.startswith(("./", "../", "~", "local-dir:")) or Path(value).expanduser().is_absolute():
-        return True
-    return False
+    return isinstance(value, str) and parse_ref(value).is_local
 
 
 def _public_weights(value: Any) -> bool:
@@ -117,19 +127,15 @@ def _public_weights(value: Any) -> bool:
 
     Anything else is a local file or folder (`weights/private.pth`, `./runs/x`), whose path stays private.
     """
-    if value is None or isinstance(value, bool):
+    ref = parse_ref(value)
+    if ref.kind in (RefKind.NONE, RefKind.DEFAULT):
         return True
-    spec = str(value).strip()
-    if spec.lower() in ("", "none", "false", "true"):
-        return True
-    if spec.startswith("hf-hub:"):
-        return _REPO_ID.fullmatch(spec[len("hf-hub:"):].split("@", 1)[0]) is not None
-    if Path(spec).expanduser().exists():  # a local folder or file, whatever it is called
+    if ref.kind is RefKind.HUB:
+        return _REPO_ID.fullmatch(ref.target) is not None
+    if ref.kind is not RefKind.NAME:
         return False
-    from .archs import split_name
-
     try:
-        split_name(spec)
+        ref.arch_tag
     except VitftError:
         return False
     return True
@@ -152,20 +158,17 @@ def _hyperparameters(train: dict) -> dict:
 
 def base_model(train: dict) -> Optional[str]:
     """The Hub repo id of the weights a run was fine-tuned from; None from scratch or from local weights."""
-    pretrained, model = train.get("pretrained"), train.get("model")
-    if pretrained is None or pretrained is False or str(pretrained).strip().lower() in ("", "none", "false"):
+    ref, model = parse_ref(train.get("pretrained")), train.get("model")
+    if ref.kind is RefKind.DEFAULT:
+        ref = parse_ref(model or "")
+    if ref.kind is RefKind.NONE or not _public_weights(ref.text):
         return None
-    spec = str(pretrained).strip()
-    if spec.lower() == "true":
-        spec = str(model or "")
-    if not spec or not _public_weights(spec):
-        return None
-    if spec.startswith("hf-hub:"):
-        return spec[len("hf-hub:"):].split("@", 1)[0] or None
+    if ref.kind is RefKind.HUB:
+        return ref.target or None
     from .weights import resolve
 
     try:
-        source = resolve(str(model), spec) if model and spec != model else resolve(spec, True)
+        source = resolve(str(model), ref.text) if model and ref.text != model else resolve(ref.text, True)
     except Exception:  # noqa: BLE001 - an unknown name only costs the card its base_model line
         return None
     hub_id = source.pretrained_cfg.get("hf_hub_id")
@@ -213,53 +216,29 @@ def _md(value: Any) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _pct(value: Any) -> str:
-    return f"{100 * float(value):.2f} %" if isinstance(value, (int, float)) else "-"
+def _pct(value: Optional[float]) -> str:
+    return "-" if value is None else f"{100 * value:.2f} %"
 
 
-def _number(value: Any) -> Optional[float]:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+def _eval_results(report, best: dict, dataset_id: Optional[str], dataset_name: Optional[str]) -> list:
+    """The card's model-index: the evaluation report's metrics, else the run's best validation top-1."""
+    from huggingface_hub import EvalResult
 
-
-def _per_class_rows(per_class: Any) -> tuple[list[str], list[tuple[str, dict]]]:
-    """report.json's per_class (a {class: {metric: value}} map or a list of rows) as table columns and rows."""
-    rows: list[tuple[str, dict]] = []
-    if isinstance(per_class, dict):
-        rows = [(str(name), v) for name, v in per_class.items() if isinstance(v, dict)]
-    elif isinstance(per_class, list):
-        for item in per_class:
-            if isinstance(item, dict):
-                name = next((item[k] for k in ("class", "name", "label") if k in item), None)
-                if name is not None:
-                    rows.append((str(name), item))
-    columns: list[str] = []
-    for _, metrics in rows:
-        for key, value in metrics.items():
-            if key not in columns and key not in ("class", "name", "label") and _number(value) is not None:
-                columns.append(key)
-    return columns, rows
-
-
-def _model_index(name: str, report: dict, dataset_id: Optional[str], dataset_name: Optional[str]) -> list:
-    metrics = []
-    accuracy, top5 = _number(report.get("accuracy")), _number(report.get("top5"))
-    if accuracy is not None:
-        metrics.append({"type": "accuracy", "value": round(accuracy, 6), "name": "Accuracy"})
-    if top5 is not None:
-        metrics.append({"type": "top_5_accuracy", "value": round(top5, 6), "name": "Top-5 Accuracy"})
-    for key, label in (("macro_f1", "Macro F1"), ("weighted_f1", "Weighted F1")):
-        if _number(report.get(key)) is not None:
-            metrics.append({"type": "f1", "value": round(float(report[key]), 6), "name": label,
-                            "args": {"average": key.split("_")[0]}})
-    if not metrics:
+    if report is not None:
+        split = report.data.get("split")
+        metrics = [("accuracy", report.accuracy, "Accuracy", None),
+                   ("top_5_accuracy", report.top5, "Top-5 Accuracy", None),
+                   ("f1", report.macro_f1, "Macro F1", {"average": "macro"}),
+                   ("f1", report.weighted_f1, "Weighted F1", {"average": "weighted"})]
+    elif best.get("val_top1") is not None:
+        split, metrics = "validation", [("accuracy", best["val_top1"], "Accuracy", None)]
+    else:
         return []
-    data = _dict(report.get("data"))
-    dataset = {"name": dataset_id or dataset_name or "custom image folder", "type": dataset_id or "imagefolder"}
-    if isinstance(data.get("split"), str) and data["split"]:
-        dataset["split"] = data["split"]
-    return [{"name": name, "results": [{
-        "task": {"type": "image-classification", "name": "Image Classification"},
-        "dataset": dataset, "metrics": metrics}]}]
+    return [EvalResult(task_type="image-classification", task_name="Image Classification",
+                       dataset_type=dataset_id or "imagefolder",
+                       dataset_name=dataset_id or dataset_name or "custom image folder", dataset_split=split,
+                       metric_type=kind, metric_value=round(float(value), 6), metric_name=label, metric_args=args)
+            for kind, value, label, args in metrics if value is not None]
 
 
 def _resized_note(config: dict, size: tuple[int, int]) -> str:
@@ -270,20 +249,12 @@ def _resized_note(config: dict, size: tuple[int, int]) -> str:
     return f" (trained at {trained[1]} x {trained[2]}; position embedding resized for this export)"
 
 
-def _validation_result(best: dict) -> dict:
-    """The run's best validation top-1 as a report-like dict, for the card of a run never evaluated."""
-    top1 = _number(best.get("val_top1"))
-    if top1 is None:
-        return {}
-    return {"accuracy": top1 / 100 if top1 > 1 else top1, "data": {"split": "validation"}}
-
-
 def _architecture_args(model) -> str:
     """The architecture hyperparameters that differ from the named architecture's, e.g. 'depth=6, patch_size=8'.
 
     Dropout rates are left out: they change training, not the network.
     """
-    args = {k: v for k, v in getattr(model, "model_args", {}).items() if not k.endswith("_rate")}
+    args = {k: v for k, v in model.model_args.items() if not k.endswith("_rate")}
     show = lambda v: "x".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)  # noqa: E731
     return ", ".join(f"{k}={show(v)}" for k, v in sorted(args.items()))
 
@@ -298,9 +269,9 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
     The model-index holds the evaluation report's results, else the run's best validation top-1 (as the
     split "validation"). Names that are not UTF-8 (file names read as surrogates) are written as \\xNN.
     """
-    from .data import printable, printable_tree
+    from huggingface_hub import ModelCard, ModelCardData
 
-    import yaml
+    from .data import printable
 
     run = _check_run(run_dir)
     info = _run_info(run)
@@ -310,30 +281,23 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
 
         model = load_model(str(run))
     cfg = dict(model.pretrained_cfg)
-    report = _read_json(run / "report.json") or {}
+    report = _read_report(run)
     repo = repo_id or PLACEHOLDER_REPO
     name = repo_id.split("/")[-1] if repo_id else run.resolve().name
     base = base_model(train)
-    dataset_id = _hub_dataset(dataset, data.get("hub_id"), data.get("dataset"), train.get("dataset"),
-                              data.get("root"), train.get("data"))
-    dataset_name = dataset_id or _dataset_name(_dict(report.get("data")).get("root")) \
+    dataset_id = _hub_dataset(dataset, data.get("root"), train.get("data"))
+    dataset_name = dataset_id or _dataset_name(report.data.get("root") if report else None) \
         or _dataset_name(data.get("root")) or _dataset_name(train.get("data"))
     labels = list(cfg.get("label_names") or data.get("classes") or [])
     hyper = _hyperparameters(train)
 
-    meta: dict[str, Any] = {"library_name": "timm", "pipeline_tag": "image-classification",
-                            "license": str(cfg.get("license") or "apache-2.0"), "tags": list(TAGS)}
-    if base:
-        meta["base_model"] = base
-    if dataset_id:
-        meta["datasets"] = [dataset_id]
-    results = report or _validation_result(best)
-    if results:
-        meta["metrics"] = ["accuracy"]
-    index = _model_index(name, results, dataset_id, dataset_name) if results else []
-    if index:
-        meta["model-index"] = index
-    front = yaml.safe_dump(printable_tree(meta), sort_keys=False, allow_unicode=True, default_flow_style=False)
+    license_ = str(cfg.get("license") or "apache-2.0")
+    results = _eval_results(report, best, dataset_id, dataset_name and printable(dataset_name))
+    card_data = ModelCardData(
+        library_name="timm", pipeline_tag="image-classification", license=license_, tags=list(TAGS),
+        base_model=base, datasets=[dataset_id] if dataset_id else None,
+        metrics=["accuracy"] if results else None, model_name=printable(name) if results else None,
+        eval_results=results or None)
 
     arch = cfg.get("architecture", "vit")
     overrides = _architecture_args(model)
@@ -342,7 +306,7 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
     origin = f"fine-tuned from [`{base}`](https://huggingface.co/{base})" if base else "trained from scratch"
     on = f" on {f'[`{dataset_id}`](https://huggingface.co/datasets/{dataset_id})' if dataset_id else dataset_name}" \
         if dataset_name else ""
-    out = [f"---\n{front}---\n", f"# {name}\n",
+    out = [f"# {name}\n",
            f"A Vision Transformer image classifier ({len(labels) or model.num_classes} classes), {origin}{on} with "
            f"[vitft](https://pypi.org/project/vit-finetune/). The weights are in timm's format: timm and vitft "
            f"both load them by name.\n",
@@ -355,7 +319,7 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
            f"{cfg.get('interpolation', 'bicubic')} resize, crop_pct {cfg.get('crop_pct', '-')}",
            f"- **Weights:** model.safetensors ({DTYPES.get(str(dtype).lower(), dtype)})"
            + (", model.onnx (float32, verified against PyTorch)" if onnx else ""),
-           f"- **License:** {meta['license']}"]
+           f"- **License:** {license_}"]
     if dataset_name:
         out.append(f"- **Dataset:** {dataset_name}")
     out.append("")
@@ -367,17 +331,15 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
         out.append("## Training\n")
         if data.get("layout"):
             out.append(f"Data layout: {_md(data['layout'])}.\n")
-        counts = _dict(data.get("counts"))
-        if counts and all(isinstance(v, dict) for v in counts.values()):
+        counts = data.get("counts")
+        if counts:
             splits = list(counts)
             out += ["| class | " + " | ".join(splits) + " |", "| --- |" + " ---: |" * len(splits)]
             for label in labels or sorted({c for v in counts.values() for c in v}):
                 out.append(f"| {_md(label)} | " + " | ".join(str(counts[s].get(label, 0)) for s in splits) + " |")
             out.append("")
         if best:
-            top1 = best.get("val_top1")
-            shown = f"{top1:.2f} %" if isinstance(top1, (int, float)) and top1 > 1 else _pct(top1)
-            out.append(f"Best validation top-1: {shown} (epoch {best.get('epoch', '-')}).\n")
+            out.append(f"Best validation top-1: {_pct(best.get('val_top1'))} (epoch {best.get('epoch', '-')}).\n")
         if hyper:
             out += ["| hyperparameter | value |", "| --- | --- |"]
             out += [f"| {_md(k)} | {_md(v)} |" for k, v in hyper.items()]
@@ -387,28 +349,23 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
     if report or "confusion_matrix.png" in images:
         out.append("## Evaluation\n")
     if report:
-        rdata = _dict(report.get("data"))
         where = " ".join(x for x in (
             f"on {dataset_name}" if dataset_name else "",
-            f"split `{rdata['split']}`" if rdata.get("split") else "",
-            f"({rdata['num_images']} images)" if rdata.get("num_images") else "") if x)
-        if where:
-            out.append(f"Evaluated {where}.\n")
+            f"split `{report.data['split']}`" if report.data.get("split") else "",
+            f"({report.num_images} images)") if x)
+        out.append(f"Evaluated {where}.\n")
         out += ["| metric | value |", "| --- | ---: |"]
-        for key, label, fmt in (("accuracy", "top-1 accuracy", _pct), ("top5", "top-5 accuracy", _pct),
-                                ("macro_f1", "macro F1", lambda v: f"{v:.4f}"),
-                                ("weighted_f1", "weighted F1", lambda v: f"{v:.4f}"),
-                                ("loss", "loss", lambda v: f"{v:.4f}")):
-            if _number(report.get(key)) is not None:
-                out.append(f"| {label} | {fmt(float(report[key]))} |")
+        for label, value in (("top-1 accuracy", _pct(report.accuracy)), ("top-5 accuracy", _pct(report.top5)),
+                             ("macro F1", f"{report.macro_f1:.4f}"), ("weighted F1", f"{report.weighted_f1:.4f}"),
+                             ("loss", f"{report.loss:.4f}")):
+            out.append(f"| {label} | {value} |")
         out.append("")
-        columns, rows = _per_class_rows(report.get("per_class"))
-        if columns and rows:
-            out += ["| class | " + " | ".join(_md(c) for c in columns) + " |", "| --- |" + " ---: |" * len(columns)]
-            for label, metrics in rows:
-                cells = [_md(metrics[c]) if _number(metrics.get(c)) is not None else "-" for c in columns]
-                out.append(f"| {_md(label)} | " + " | ".join(cells) + " |")
-            out.append("")
+        columns = ("precision", "recall", "f1", "support")
+        out += ["| class | " + " | ".join(columns) + " |", "| --- |" + " ---: |" * len(columns)]
+        for label, metrics in report.per_class.items():
+            cells = ["-" if metrics[c] is None else _md(metrics[c]) for c in columns]
+            out.append(f"| {_md(label)} | " + " | ".join(cells) + " |")
+        out.append("")
     if "confusion_matrix.png" in images:
         out.append("![Confusion matrix](confusion_matrix.png)\n")
     k = min(5, model.num_classes)
@@ -430,7 +387,8 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
         from .onnx_export import onnx_usage
 
         out += onnx_usage(repo, cfg, size, k)
-    return printable("\n".join(out))
+    body = printable("\n".join(out))
+    return str(ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n{body}"))
 
 
 # ---- export -------------------------------------------------------------------------------------------
@@ -451,15 +409,6 @@ def _staging_dir(out: Path) -> Path:
         return Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     except OSError as err:
         raise VitftError(f"cannot write to {out.parent}: {err}") from err
-
-
-def _plain_permissions(folder: Path) -> None:
-    """Temporary files are private (0600/0700): give the export the modes a plain write would have."""
-    mask = os.umask(0)
-    os.umask(mask)
-    folder.chmod(0o777 & ~mask)
-    for item in folder.iterdir():
-        item.chmod(0o666 & ~mask)
 
 
 def _install(staging: Path, out: Path) -> None:
@@ -528,7 +477,7 @@ def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwri
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise VitftError(f"{out} already exists and is not empty; pass --overwrite to replace the exported files "
                          "in it, or pick another folder")
-    from .weights import load_model, save_pretrained
+    from .weights import load_model, plain_permissions, save_pretrained
 
     info = _run_info(run)
     _check_img_size(info["config"], img_size)
@@ -546,7 +495,7 @@ def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwri
             export_onnx(model, staging)
         card = model_card(run, repo_id, model=model, dtype=dtype, dataset=dataset, images=images, onnx=onnx)
         (staging / "README.md").write_text(card, encoding="utf-8")
-        _plain_permissions(staging)
+        plain_permissions(staging)
         _install(staging, out)
     except OSError as err:
         raise VitftError(f"cannot write the export to {out}: {err}") from err

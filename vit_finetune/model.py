@@ -112,8 +112,9 @@ class Attention(nn.Module):
     unset (the default), forward runs SDPA exactly as before.
     """
 
-    def __init__(self, dim: int, num_heads: int, qkv_bias: bool, qk_norm: bool, scale_norm: bool,
-                 proj_bias: bool, attn_drop: float, proj_drop: float, norm: Callable[[int], nn.Module]):
+    def __init__(self, dim: int, num_heads: int = 8, *, qkv_bias: bool = False, qk_norm: bool = False,
+                 scale_norm: bool = False, proj_bias: bool = True, attn_drop: float = 0.0, proj_drop: float = 0.0,
+                 norm: Callable[[int], nn.Module] = nn.LayerNorm):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"embed_dim {dim} is not divisible by num_heads {num_heads}")
@@ -220,14 +221,16 @@ MLPS = {
 class Block(nn.Module):
     """Pre-norm encoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, dim: int, num_heads: int, mlp_ratio: float, qkv_bias: bool, qk_norm: bool,
-                 scale_attn_norm: bool, scale_mlp_norm: bool, proj_bias: bool, proj_drop: float,
-                 attn_drop: float, init_values: Optional[float], drop_path: float,
-                 act: Callable[[], nn.Module], norm: Callable[[int], nn.Module], mlp_layer: str):
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, *, qkv_bias: bool = False,
+                 qk_norm: bool = False, scale_attn_norm: bool = False, scale_mlp_norm: bool = False,
+                 proj_bias: bool = True, proj_drop: float = 0.0, attn_drop: float = 0.0,
+                 init_values: Optional[float] = None, drop_path: float = 0.0,
+                 act: Callable[[], nn.Module] = nn.GELU, norm: Callable[[int], nn.Module] = nn.LayerNorm,
+                 mlp_layer: str = "mlp"):
         super().__init__()
         self.norm1 = norm(dim)
-        self.attn = Attention(dim, num_heads, qkv_bias, qk_norm, scale_attn_norm, proj_bias,
-                              attn_drop, proj_drop, norm)
+        self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, scale_norm=scale_attn_norm,
+                              proj_bias=proj_bias, attn_drop=attn_drop, proj_drop=proj_drop, norm=norm)
         self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = norm(dim)
@@ -341,6 +344,7 @@ class VisionTransformer(nn.Module):
         self.dynamic_img_size = dynamic_img_size
         self.grad_checkpointing = False
         self.pretrained_cfg: dict = {}
+        self.model_args: dict = {}  # the arguments that differ from the architecture's (weights.create_model)
         self.load_report = None  # weights.LoadReport: what loading a checkpoint did (None: random init)
 
         self.patch_embed = PatchEmbed(
@@ -358,8 +362,10 @@ class VisionTransformer(nn.Module):
 
         rates = torch.linspace(0, drop_path_rate, depth, device="cpu").tolist()  # works under a meta device
         self.blocks = nn.Sequential(*[
-            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, qk_norm, scale_attn_norm, scale_mlp_norm,
-                  proj_bias, proj_drop_rate, attn_drop_rate, init_values, rates[i], act, norm, mlp_layer)
+            Block(embed_dim, num_heads, mlp_ratio, qkv_bias=qkv_bias, qk_norm=qk_norm,
+                  scale_attn_norm=scale_attn_norm, scale_mlp_norm=scale_mlp_norm, proj_bias=proj_bias,
+                  proj_drop=proj_drop_rate, attn_drop=attn_drop_rate, init_values=init_values, drop_path=rates[i],
+                  act=act, norm=norm, mlp_layer=mlp_layer)
             for i in range(depth)])
         self.norm = norm(embed_dim) if final_norm and not use_fc_norm else nn.Identity()
         self.attn_pool = AttentionPoolLatent(embed_dim, num_heads, mlp_ratio, norm, act) \

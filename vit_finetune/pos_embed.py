@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional, Sequence
 
 import torch
@@ -9,7 +10,8 @@ import torch.nn.functional as F
 
 
 def _pair(size: int | Sequence[int]) -> tuple[int, int]:
-    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+    """(height, width) from one side length or a pair of them (numpy integers included)."""
+    return (int(size), int(size)) if isinstance(size, numbers.Integral) else (int(size[0]), int(size[1]))
 
 
 def resize_pos_embed(

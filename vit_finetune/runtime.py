@@ -44,7 +44,7 @@ def compute_context(device: torch.device, precision: str) -> Iterator[None]:
     """Autocast for `precision` ('fp32': none) and, on the CPU, the math attention kernel.
 
     On the CPU, PyTorch's flash-attention kernel is never faster than the math path and its bf16
-    backward is much slower (ViT at 64 tokens: 186 vs 136 img/s training; at 197 tokens: 61 vs 45).
+    backward is much slower (measurements in the README).
     """
     check_precision(device, precision)
     with contextlib.ExitStack() as stack:
@@ -79,11 +79,11 @@ def fit_cpu_threads(device: torch.device, workers: Optional[int], processes: int
     """Choose loader workers (when not given) and torch threads together, from the work per image.
 
     On the CPU, OpenMP threads that share a core with a busy worker wait on each other at every op (2 torch
-    threads beside 1 worker on 2 cores: ~100x slower than 1 thread), so a worker costs torch a whole core.
+    threads beside 1 worker on 2 cores are far slower than 1 thread), so a worker costs torch a whole core.
     With c cores, data work D and model work M per image (single-core ms), 0 workers take D + M/c per
     image and w workers max(D/w, M/(c-w)): a worker pays off only when D > M/(c(c-1)), and then the data
-    gets its share D/(D+M) of the cores. ViT steps dwarf cached augmentation (0.2-0.5 ms against 20-600 ms
-    per image on one core), so small CPUs train fastest with no worker at all. An explicit OMP_NUM_THREADS
+    gets its share D/(D+M) of the cores. ViT steps dwarf cached augmentation by two orders of magnitude or more,
+    so small CPUs train fastest with no worker at all. An explicit OMP_NUM_THREADS
     wins over the thread count. Off the CPU, torch's threads barely matter: workers default to cores - 1 (<= 8).
     """
     cores = cpu_cores(processes)

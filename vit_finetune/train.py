@@ -31,11 +31,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from timm.data.constants import DEFAULT_CROP_PCT
 
-from .archs import get_arch, split_name
+from .archs import get_arch
 from .data import DatasetSplits, ImageDataset, build_loader, build_transforms, find_dataset
 from .errors import VitftError
 from .features import FeatureSet, extract_features
+from .refs import RefKind, parse_ref
 from .runtime import check_precision, compute_context, resolve_device
 from .weights import atomic_write, create_model, describe_weights, save_pretrained
 
@@ -238,13 +240,13 @@ def build_model(cfg: TrainConfig, num_classes: int):
         name, weights = cfg.model or "vit_b_16", False
     else:
         name, weights = (cfg.model, pretrained) if cfg.model else (pretrained, True)
-        if not cfg.model and Path(str(pretrained)).is_file():
+        if not cfg.model and parse_ref(pretrained).kind is RefKind.FILE:
             raise VitftError(f"--pretrained {pretrained} is a bare weights file: add --model ARCH")
     return create_model(name, pretrained=weights, num_classes=num_classes, img_size=img_size, **overrides)
 
 
 def _scratch(cfg: TrainConfig) -> bool:
-    return cfg.pretrained is not None and str(cfg.pretrained).lower() in ("none", "", "false")
+    return cfg.pretrained is not None and parse_ref(cfg.pretrained).kind is RefKind.NONE
 
 
 def _default_pretrained(model: Optional[str]) -> str:
@@ -252,7 +254,7 @@ def _default_pretrained(model: Optional[str]) -> str:
     architecture's default tag), or vit_b_16 when no model is named either."""
     if not model:
         return "vit_b_16"
-    arch, tag = split_name(model)
+    arch, tag = parse_ref(model).arch_tag
     tag = tag or get_arch(arch).default_tag
     if not tag:
         raise VitftError(f"{arch} has no pretrained weights; pass --pretrained none to train it from scratch, "
@@ -423,10 +425,11 @@ class Trainer:
     # -- setup
     def _build_data(self) -> None:
         cfg, pcfg = self.cfg, self.model.pretrained_cfg
-        self.train_tf = train_tf = build_transforms(pcfg, self.img_size, True, cfg.scale, cfg.ratio, cfg.hflip,
-                                                    cfg.color_jitter, cfg.strong_aug)
-        self.eval_tf = eval_tf = build_transforms(pcfg, self.img_size, False)
-        crop_pct = pcfg.get("crop_pct", 0.875)
+        self.train_tf = train_tf = build_transforms(
+            pcfg, self.img_size, train=True, scale=cfg.scale, ratio=cfg.ratio, hflip=cfg.hflip,
+            color_jitter=cfg.color_jitter, strong=cfg.strong_aug)
+        self.eval_tf = eval_tf = build_transforms(pcfg, self.img_size, train=False)
+        crop_pct = pcfg.get("crop_pct", DEFAULT_CROP_PCT)
         self.train_set = ImageDataset(self.splits.train, train_tf, cache=cfg.cache, img_size=self.img_size,
                                       crop_pct=crop_pct, name="train")
         # each rank evaluates its own slice of the validation set, so nothing is counted twice; a rank left
@@ -438,10 +441,10 @@ class Trainer:
             raise VitftError(f"only {len(self.train_set)} training images for a batch of {cfg.batch_size}; "
                              "lower --batch-size")
         device_type = self.device.type
-        self.train_loader = build_loader(self.train_set, cfg.batch_size, True, cfg.workers, device_type,
-                                         self.ddp.enabled, cfg.seed)
-        self.val_loader = build_loader(self.val_set, cfg.batch_size, False, cfg.workers, device_type, False,
-                                       cfg.seed) if self.val_set is not None else ()
+        self.train_loader = build_loader(self.train_set, cfg.batch_size, train=True, workers=cfg.workers,
+                                         device_type=device_type, distributed=self.ddp.enabled, seed=cfg.seed)
+        self.val_loader = build_loader(self.val_set, cfg.batch_size, train=False, workers=cfg.workers,
+                                       device_type=device_type, seed=cfg.seed) if self.val_set is not None else ()
         if len(self.train_loader) < cfg.accum_steps:
             raise VitftError(f"an epoch has {len(self.train_loader)} batches, fewer than --accum-steps "
                              f"{cfg.accum_steps}; lower --accum-steps or --batch-size")
@@ -725,8 +728,8 @@ class Trainer:
         cfg, start = self.cfg, time.perf_counter()
         views = cfg.feature_views
         dataset = self.train_set.with_transform(self.eval_tf if views == 1 else self.train_tf, return_index=True)
-        loader = build_loader(dataset, cfg.batch_size, False, cfg.workers, self.device.type, self.ddp.enabled,
-                              cfg.seed)
+        loader = build_loader(dataset, cfg.batch_size, train=False, workers=cfg.workers,
+                              device_type=self.device.type, distributed=self.ddp.enabled, seed=cfg.seed)
         task = progress.add_task("pooled features", total=views * len(loader) + len(self.val_loader), info="")
         train = extract_features(self.model, loader, self.device, self.precision, views,
                                  lambda done, _: progress.update(task, completed=done))

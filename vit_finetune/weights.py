@@ -27,12 +27,12 @@ from .archs import get_arch, split_name
 from .errors import VitftError
 from .model import VisionTransformer
 from .pos_embed import resize_pos_embed
+from .refs import ModelRef, RefKind, parse_ref
 
 log = logging.getLogger("vitft")
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 PREPROCESSOR_FILE = "preprocessor_config.json"  # transformers' preprocessing (mean, std, size, crop)
-TORCH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
 HEAD_KEYS = ("head.weight", "head.bias", "head_dist.weight", "head_dist.bias")  # head_dist: DeiT distilled
 # pretrained_cfg entries that are about where weights were, not how to use them
 _LOCATION_KEYS = ("url", "file", "hf_hub_id", "hf_hub_filename", "source", "state_dict", "architecture")
@@ -45,6 +45,7 @@ _MODEL_ARGS = set(inspect.signature(VisionTransformer.__init__).parameters) - {"
 VITFT_MODEL_ARGS = "vitft_model_args"
 
 Pretrained = Union[bool, str, os.PathLike, None]
+_HUB_CHECK_TIMEOUT = 3.0  # seconds for the Hub endpoint's name lookup, and for its TCP connect
 
 
 @dataclass
@@ -78,35 +79,74 @@ def _timm_cfg(arch: str, tag: Optional[str]) -> dict:
     return out
 
 
+def _hub_unreachable() -> Optional[str]:
+    """Why the Hub endpoint cannot be reached (its host does not resolve, or refuses connections), else None.
+
+    One name lookup and one TCP connect with a short timeout: huggingface_hub would otherwise retry an
+    unreachable host several times, logging every retry, before giving up.
+    """
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import TimeoutError as LookupTimeout
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    url = urlsplit(constants.ENDPOINT)
+    host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+    pool = ThreadPoolExecutor(max_workers=1)  # getaddrinfo has no timeout of its own
+    try:
+        addresses = pool.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM).result(_HUB_CHECK_TIMEOUT)
+    except LookupTimeout:
+        return f"looking up {host} timed out"
+    except OSError as err:
+        return f"{host} cannot be resolved ({err.strerror or err})"
+    finally:
+        pool.shutdown(wait=False)
+    family, kind, proto, _, address = addresses[0]
+    try:
+        with socket.socket(family, kind, proto) as sock:
+            sock.settimeout(_HUB_CHECK_TIMEOUT)
+            sock.connect(address)
+    except OSError as err:
+        return f"{host}:{port} does not answer ({err.strerror or type(err).__name__})"
+    return None
+
+
 def _hub_download(repo_id: str, filenames: tuple[str, ...], revision: Optional[str] = None) -> Path:
-    """The first of `filenames` that the repo has, through the HF cache (honours HF_HOME, HF_HUB_OFFLINE...)."""
-    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    """The first of `filenames` that the repo has, through the HF cache (honours HF_HOME, HF_HUB_OFFLINE...).
+
+    An unreachable Hub is found out once, up front: then only the cache is looked at, and the error names
+    the ways out.
+    """
+    from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    unreachable = None if offline else _hub_unreachable()
+    if not offline:
+        log.info("fetching %s (%s) from %s%s", repo_id, " or ".join(filenames), constants.ENDPOINT,
+                 f": unreachable ({unreachable}), looking in the local cache only" if unreachable else "")
     missing, not_cached = [], None
-    for i, filename in enumerate(filenames):
+    for filename in filenames:
         try:
-            return Path(hf_hub_download(repo_id, filename, revision=revision))
+            return Path(hf_hub_download(repo_id, filename, revision=revision,
+                                        local_files_only=bool(unreachable)))
         except LocalEntryNotFoundError as err:  # a subclass of EntryNotFoundError: test it first
             not_cached = not_cached or err  # the next filename may still be in the cache
             missing.append(filename)
-            if not offline:  # the Hub is unreachable: look for the other files in the cache only, no retries
-                for other in filenames[i + 1:]:
-                    cached = try_to_load_from_cache(repo_id, other, revision=revision)
-                    if isinstance(cached, str):
-                        return Path(cached)
-                    missing.append(other)
-                break
+            unreachable = unreachable or "the request failed"  # the other files: from the cache only, no retries
         except EntryNotFoundError:
             missing.append(filename)
         except RepositoryNotFoundError as err:
             raise VitftError(f"Hub repo {repo_id!r} not found (or private: set HF_TOKEN)") from err
     if not_cached is not None:
-        why = "HF_HUB_OFFLINE is set" if offline else "the Hub could not be reached"
+        why = ("HF_HUB_OFFLINE is set" if offline
+               else f"the Hub at {constants.ENDPOINT} cannot be reached ({unreachable})")
         raise VitftError(
             f"{repo_id}/{' or '.join(missing)} is not in the local HF cache and {why}; download it once with "
-            f"network access or pass a local weights file") from not_cached
+            "network access, pass --pretrained PATH (a local weights file or model folder)"
+            + ("" if offline else ", or set HF_HUB_OFFLINE=1 to use the local cache only")) from not_cached
     raise VitftError(f"Hub repo {repo_id!r} has none of {', '.join(missing)}")
 
 
@@ -152,28 +192,25 @@ def _folder_source(folder: Path, origin: str) -> Source:
     return _source_from_config(config, lambda: _weights_in(folder), origin, preprocessor)
 
 
-def _hub_source(spec: str) -> Source:
-    repo_id, _, revision = spec.partition("@")
-    config = _read_config(_hub_download(repo_id, ("config.json",), revision or None))
+def _hub_source(ref: ModelRef) -> Source:
+    config = _read_config(_hub_download(ref.target, ("config.json",), ref.revision))
     preprocessor = None
     if convert.is_transformers_config(config):
         try:
-            preprocessor = _read_config(_hub_download(repo_id, (PREPROCESSOR_FILE,), revision or None))
+            preprocessor = _read_config(_hub_download(ref.target, (PREPROCESSOR_FILE,), ref.revision))
         except VitftError:  # optional: without it the model's defaults apply
-            log.debug("hf-hub:%s has no %s", spec, PREPROCESSOR_FILE)
+            log.debug("%s has no %s", ref.text, PREPROCESSOR_FILE)
     return _source_from_config(
-        config, lambda: _hub_download(repo_id, WEIGHT_FILES, revision or None), f"hf-hub:{spec}", preprocessor)
+        config, lambda: _hub_download(ref.target, WEIGHT_FILES, ref.revision), ref.text, preprocessor)
 
 
-def _named_source(name: str) -> Source:
-    """`hf-hub:`/`local-dir:` prefixes, a model folder, or an architecture / alias / arch.tag."""
-    if name.startswith("hf-hub:"):
-        return _hub_source(name[len("hf-hub:"):])
-    if name.startswith("local-dir:"):
-        return _folder_source(Path(name[len("local-dir:"):]).expanduser(), name)
-    if Path(name).is_dir():
-        return _folder_source(Path(name), str(name))
-    arch, tag = split_name(name)
+def _named_source(ref: ModelRef) -> Source:
+    """A Hub repo or model folder (its own config), else an architecture / alias / arch.tag."""
+    if ref.kind is RefKind.HUB:
+        return _hub_source(ref)
+    if ref.is_model_folder:
+        return _folder_source(ref.path, ref.text)
+    arch, tag = ref.arch_tag
     cfg = _timm_cfg(arch, tag)
 
     def download() -> Path:
@@ -187,32 +224,32 @@ def _named_source(name: str) -> Source:
 
 def resolve(name: str, pretrained: Pretrained = False) -> Source:
     """Resolve `create_model`'s (name, pretrained) pair without building anything."""
-    source = _named_source(str(name))
-    if not pretrained:
+    source = _named_source(parse_ref(str(name)))
+    weights = parse_ref(pretrained)
+    if weights.kind is RefKind.NONE:
         source.weights, source.origin = None, "random init"
         return source
-    if pretrained is True:
+    if weights.kind is RefKind.DEFAULT:
         return source
-    spec = str(pretrained)
-    path = Path(spec).expanduser()
-    if spec.startswith(("hf-hub:", "local-dir:")) or path.is_dir():
-        weights_source = _named_source(spec)
+    if weights.is_model_folder:
+        weights_source = _named_source(weights)
         if weights_source.arch != source.arch:
-            raise VitftError(f"{spec} holds a {weights_source.arch} model, not {source.arch}; drop --model "
+            raise VitftError(f"{weights.text} holds a {weights_source.arch} model, not {source.arch}; drop --model "
                              f"or pick {weights_source.arch}")
         return weights_source
-    if path.suffix in (".safetensors", *TORCH_SUFFIXES) or os.sep in spec:
-        if not path.is_file():
-            raise VitftError(f"weights file {spec} not found")
+    if weights.is_local:
+        path = weights.path
+        if weights.kind is not RefKind.FILE:
+            raise VitftError(f"weights file {weights.text} not found")
         source.weights, source.origin = (lambda: path), str(path)
         keys = _checkpoint_keys(path)
         layout = convert.detect_layout(keys)
         if layout:  # a bare transformers file: the named architecture plus what the layout implies
             source.model_args.update(convert.layout_args(layout, keys))
         return source
-    weights_source = _named_source(spec)  # an arch.tag or alias naming other weights
+    weights_source = _named_source(weights)  # an arch.tag or alias naming other weights
     if weights_source.arch != source.arch:
-        raise VitftError(f"{spec} are weights for {weights_source.arch}, not {source.arch}")
+        raise VitftError(f"{weights.text} are weights for {weights_source.arch}, not {source.arch}")
     return weights_source
 
 
@@ -313,6 +350,31 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
+TIMM_FILTER_LAYOUT = "converted by timm's filter"
+
+
+_GAMMA_KEY = re.compile(r"\.gamma_\d$")  # LayerScale as DeiT-3 and BEiT name it (timm: .ls1.gamma)
+
+
+def is_timm_layout(state: dict) -> bool:
+    """timm's own names (vitft's too): a conv patch embedding, and nothing timm's filter would rename."""
+    patch = state.get("patch_embed.proj.weight")
+    return patch is not None and patch.ndim == 4 and "mask_token" not in state and not any(
+        _GAMMA_KEY.search(k) for k in state)
+
+
+def timm_filter(state: dict, model: VisionTransformer) -> dict:
+    """Foreign layouts as timm adapts them on load: OpenAI CLIP, OpenCLIP, original DINOv2 (mask_token,
+    register tokens, w12/w3), BEiT-3, DeiT-3's gamma_ LayerScale, a linear patch embedding...
+
+    timm's `checkpoint_filter_fn`, with adapt_layer_scale where there are gamma_ keys (as DeiT's filter),
+    which reads only the parameter shapes and token settings that the native model shares with timm's.
+    """
+    from timm.models.vision_transformer import checkpoint_filter_fn
+
+    return checkpoint_filter_fn(state, model, adapt_layer_scale=any(_GAMMA_KEY.search(k) for k in state))
+
+
 def is_torchvision(state: dict) -> bool:
     return "conv_proj.weight" in state and "encoder.pos_embedding" in state
 
@@ -346,7 +408,7 @@ def convert_torchvision(state: dict) -> dict:
 class LoadReport:
     """What loading a checkpoint into a model did (`model.load_report`; see `describe_weights`)."""
 
-    layout: str = "timm"  # timm, torchvision, or transformers vit / deit / dinov2
+    layout: str = "timm"  # timm, torchvision, transformers vit / deit / dinov2, or TIMM_FILTER_LAYOUT
     new: list[str] = field(default_factory=list)  # model parameters initialised here, e.g. "head: new, 6 classes"
     dropped: list[str] = field(default_factory=list)  # checkpoint tensors not loaded, each with why
     resized: list[str] = field(default_factory=list)  # e.g. "position embedding 37x37 -> 16x16"
@@ -441,6 +503,8 @@ def load_weights(model: VisionTransformer, path: Path, cfg: Optional[dict] = Non
     elif transformers_layout:
         state, report.dropped = convert.convert_state_dict(state, transformers_layout)
         report.layout = f"transformers {transformers_layout}"
+    elif not is_timm_layout(state):
+        state, report.layout = timm_filter(state, model), TIMM_FILTER_LAYOUT
     state = adapt_state_dict(state, model, cfg, report)
     own = model.state_dict()
     head_missing = [k for k in HEAD_KEYS if k in own and k not in state]
@@ -463,15 +527,26 @@ def load_weights(model: VisionTransformer, path: Path, cfg: Optional[dict] = Non
 
 
 # ---- writing model folders ------------------------------------------------------------------------
+def plain_permissions(path: Path) -> None:
+    """The modes open() / mkdir() would give, for a file, or a folder and the files in it, made private
+    (0600 / 0700) by mkstemp / mkdtemp."""
+    mask = os.umask(0)  # the only way to read the umask is to set it
+    os.umask(mask)
+    if path.is_dir():
+        path.chmod(0o777 & ~mask)
+        for item in path.iterdir():
+            item.chmod(0o666 & ~mask)
+    else:
+        path.chmod(0o666 & ~mask)
+
+
 def _write_temp(path: Path, write: Callable[[Path], None]) -> Path:
     """Run `write(tmp)` on a temporary file next to `path` and flush it to disk; returns tmp (removed on error)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the permissions open() would
+    plain_permissions(Path(tmp))  # mkstemp makes 0600
     try:
         write(Path(tmp))
         with open(tmp, "rb+") as f:  # on disk before the rename: a crash leaves the old file, not an empty one
@@ -504,7 +579,7 @@ def model_config(model: VisionTransformer, extra: Optional[dict] = None) -> dict
               "global_pool": model.global_pool}
     if label_names:
         config["label_names"] = list(label_names)
-    model_args = {k: _plain(v) for k, v in getattr(model, "model_args", {}).items()}
+    model_args = {k: _plain(v) for k, v in model.model_args.items()}
     vitft_only = {k: model_args.pop(k) for k in list(model_args) if k not in _timm_model_args()}
     if model_args:
         config["model_args"] = model_args
@@ -552,17 +627,15 @@ def save_pretrained(model: VisionTransformer, folder: Union[str, Path], extra_co
 
 def load_model(source: str, arch: Optional[str] = None, **kwargs) -> VisionTransformer:
     """A trained model from anything users point at: run/export folder, hub repo, weights file, timm name."""
-    path = Path(str(source)).expanduser()
-    if path.is_file():
+    ref = parse_ref(source)
+    if ref.kind is RefKind.FILE:
         if not arch:
             raise VitftError(f"{source} is a bare weights file: pass the architecture too (--model ARCH)")
         # no config: size the head from the file, else the arch's default head would replace the trained one
-        head = read_state_dict(path).get("head.weight")
+        head = read_state_dict(ref.path).get("head.weight")
         if head is not None:
             kwargs.setdefault("num_classes", head.shape[0])
-        return create_model(arch, pretrained=path, **kwargs)
-    if path.is_dir() or str(source).startswith(("hf-hub:", "local-dir:")):
-        return create_model(str(source), pretrained=True, **kwargs)
-    if arch:
+        return create_model(arch, pretrained=ref.path, **kwargs)
+    if arch and not ref.is_model_folder:
         return create_model(arch, pretrained=source, **kwargs)
     return create_model(str(source), pretrained=True, **kwargs)
