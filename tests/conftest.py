@@ -4,7 +4,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
@@ -28,6 +30,18 @@ def make_subset(src: Path, dst: Path, per_class: int, classes=CLASSES) -> Path:
         for image in sorted((src / name).iterdir())[:per_class]:
             (dst / name / image.name).symlink_to(image)
     return dst
+
+
+def make_images(root: Path, counts: dict[str, int], size: int = 40, seed: int = 0, suffix: str = ".png") -> Path:
+    """Class folders of square noise images (PNG, or JPEG with suffix='.jpg'), each class around its own colour
+    (learnable, and quick)."""
+    rng = np.random.default_rng(seed)
+    for c, (name, n) in enumerate(counts.items()):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            pixels = np.clip(rng.normal(60 + 60 * c, 40, (size, size, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(root / name / f"{name}_{i:02d}{suffix}")
+    return root
 
 
 @pytest.fixture(scope="session")

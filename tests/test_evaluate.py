@@ -164,7 +164,7 @@ def test_unknown_data_class_is_a_clear_error(run_dir, intel_dir, tmp_path):
     for image in sorted((intel_dir / "sea").iterdir())[:3]:
         (data / "lava" / image.name).symlink_to(image)
     result = invoke("evaluate", run_dir, "--data", data, "--workers", 0, "--output", tmp_path / "out")
-    assert result.exit_code == 2
+    assert result.exit_code == 1
     assert "'lava'" in result.output and "not known to the model" in result.output
     assert "Traceback" not in result.output
     assert not (tmp_path / "out").exists()
@@ -272,7 +272,7 @@ def test_bare_weights_file_with_model_arch(eval_data, tmp_path):
 
 def test_timm_name_needs_pretrained_flag(eval_data):
     result = invoke("evaluate", "vit_tiny_patch16_224", "--data", eval_data)
-    assert result.exit_code == 2 and "--pretrained" in result.output and "Traceback" not in result.output
+    assert result.exit_code == 1 and "--pretrained" in result.output and "Traceback" not in result.output
     assert "not found" in invoke("predict", "no/such/run", eval_data).output
 
 
