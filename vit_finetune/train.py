@@ -350,8 +350,8 @@ class Trainer:
         if cfg.warmup_epochs * 2 > epochs:  # else the run is all warmup and ends by jumping to min_lr
             self.warmup_epochs = round(epochs * self.steps_per_epoch / 5) / self.steps_per_epoch
             if self.ddp.main:
-                log.warning("--warmup-epochs %d would cover most of these %d epochs (ending them at min_lr, with no "
-                            "phase at full LR); warming up for a fifth of them instead: %.3g epoch(s)",
+                log.warning("--warmup-epochs %d would cover most of this %d-epoch run (ending it at min_lr, with no "
+                            "phase at full LR); warming up for a fifth of it instead: %.3g epochs",
                             cfg.warmup_epochs, epochs, self.warmup_epochs)
         phases.append((first, epochs, self.head_lr if self.head_epochs == cfg.epochs else self.lr,
                        self.warmup_epochs))
