@@ -1,10 +1,13 @@
-"""Shared fixtures: the real Intel images (skipped when absent) and small model folders."""
+"""Shared fixtures: generated class images, the real Intel images (skipped when absent) and small model
+folders."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
@@ -22,12 +25,40 @@ def intel_dir() -> Path:
 
 
 def make_subset(src: Path, dst: Path, per_class: int, classes=CLASSES) -> Path:
-    """A class-folder tree of symlinks to the first `per_class` real images of each class."""
+    """A class-folder tree of symlinks to the first `per_class` images of each class."""
     for name in classes:
         (dst / name).mkdir(parents=True, exist_ok=True)
         for image in sorted((src / name).iterdir())[:per_class]:
             (dst / name / image.name).symlink_to(image)
     return dst
+
+
+def make_images(root: Path, counts: dict[str, int], size: int = 40, seed: int = 0,
+                suffix: str = ".png") -> Path:
+    """Class folders of square noise images (PNG, or JPEG with suffix='.jpg'), each class around its own colour
+    (learnable, and quick): grey levels 60, 120 and 180 for the first three classes, tinted ones after."""
+    rng = np.random.default_rng(seed)
+    for c, (name, n) in enumerate(counts.items()):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        colour = np.full(3, 60.0 + 60 * (c % 3))
+        colour[c // 3 % 3] += 60 * (c // 3)
+        for i in range(n):
+            pixels = np.clip(rng.normal(colour, 40, (size, size, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(root / name / f"{name}_{i:02d}{suffix}")
+    return root
+
+
+@pytest.fixture(scope="session")
+def class_images(tmp_path_factory) -> Path:
+    """Generated stand-ins for the real photos where their content does not matter: Intel's six class folders
+    of 60 noise JPEGs (64 px), so that the tests that use them run without ../shared."""
+    return make_images(tmp_path_factory.mktemp("generated"), {c: 60 for c in CLASSES}, size=64, suffix=".jpg")
+
+
+@pytest.fixture(scope="session")
+def small_images(class_images, tmp_path_factory) -> Path:
+    """40 generated images per class in one folder of class folders."""
+    return make_subset(class_images, tmp_path_factory.mktemp("generated40"), 40)
 
 
 @pytest.fixture(scope="session")

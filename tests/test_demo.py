@@ -1,11 +1,13 @@
 """`vitft demo`: the offline end-to-end path works and learns."""
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from vit_finetune.cli import app
 
 
+@pytest.mark.slow  # trains for 10 epochs: about two minutes on a CPU
 def test_demo_trains_evaluates_and_exports(tmp_path):
     result = CliRunner().invoke(app, ["demo", "--output", str(tmp_path)])
     assert result.exit_code == 0, result.output

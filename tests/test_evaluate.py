@@ -1,4 +1,4 @@
-"""vitft evaluate / predict on real Intel images with a tiny model trained for a few steps."""
+"""vitft evaluate / predict on generated class images with a tiny model trained for a few steps."""
 from __future__ import annotations
 
 import csv
@@ -42,13 +42,13 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def run_dir(small_intel, tmp_path_factory) -> Path:
+def run_dir(small_images, tmp_path_factory) -> Path:
     """A run-like folder (config.json with a 'vitft' key + model.safetensors) of a tiny model trained for 60 steps,
     so that its predictions vary from image to image."""
     torch.manual_seed(0)
     model = create_model("vit_tiny_patch16_224", num_classes=len(CLASSES), **TINY)
     model.pretrained_cfg["label_names"] = list(CLASSES)
-    splits = find_dataset(small_intel)
+    splits = find_dataset(small_images)
     ds = ImageDataset(splits.train + splits.val, build_transforms(model.pretrained_cfg, 32, train=False))
     x = torch.stack([ds[i][0] for i in range(len(ds))])
     y = torch.tensor(ds.labels)
@@ -63,9 +63,9 @@ def run_dir(small_intel, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def eval_data(intel_dir, tmp_path_factory) -> Path:
-    """8 real images per class, a single folder of class folders (evaluated whole)."""
-    return make_subset(intel_dir, tmp_path_factory.mktemp("eval8"), 8)
+def eval_data(class_images, tmp_path_factory) -> Path:
+    """8 images per class, a single folder of class folders (evaluated whole)."""
+    return make_subset(class_images, tmp_path_factory.mktemp("eval8"), 8)
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +149,8 @@ def test_library_evaluate_on_a_built_model(run_dir, eval_data, cli_eval, tmp_pat
     assert json.loads(json.dumps(report.to_dict()))["classes"] == CLASSES
 
 
-def test_model_classes_missing_from_the_data_are_reported(run_dir, intel_dir, tmp_path):
-    data = make_subset(intel_dir, tmp_path / "two", 4, classes=["forest", "sea"])
+def test_model_classes_missing_from_the_data_are_reported(run_dir, class_images, tmp_path):
+    data = make_subset(class_images, tmp_path / "two", 4, classes=["forest", "sea"])
     report = evaluate(str(run_dir), data, workers=0)
     assert report.num_images == 8
     assert report.absent_classes == ["buildings", "glacier", "mountain", "street"]
@@ -158,34 +158,34 @@ def test_model_classes_missing_from_the_data_are_reported(run_dir, intel_dir, tm
     assert report.confusion.sum() == 8
 
 
-def test_unknown_data_class_is_a_clear_error(run_dir, intel_dir, tmp_path):
-    data = make_subset(intel_dir, tmp_path / "lava", 3, classes=["forest"])
+def test_unknown_data_class_is_a_clear_error(run_dir, class_images, tmp_path):
+    data = make_subset(class_images, tmp_path / "lava", 3, classes=["forest"])
     (data / "lava").mkdir()
-    for image in sorted((intel_dir / "sea").iterdir())[:3]:
+    for image in sorted((class_images / "sea").iterdir())[:3]:
         (data / "lava" / image.name).symlink_to(image)
     result = invoke("evaluate", run_dir, "--data", data, "--workers", 0, "--output", tmp_path / "out")
-    assert result.exit_code == 2
+    assert result.exit_code == 1
     assert "'lava'" in result.output and "not known to the model" in result.output
     assert "Traceback" not in result.output
     assert not (tmp_path / "out").exists()
 
 
-def test_model_without_label_names(eval_data, intel_dir, tmp_path):
+def test_model_without_label_names(eval_data, class_images, tmp_path):
     torch.manual_seed(0)
     model = create_model("vit_tiny_patch16_224", num_classes=6, **TINY)
     assert "label_names" not in model.pretrained_cfg
     report = evaluate(model, eval_data, workers=0)  # 6 outputs, 6 classes: the data's names are used
     assert report.classes == CLASSES and report.model["label_names_from"] == "data"
     with pytest.raises(VitftError, match="no label names"):
-        evaluate(model, make_subset(intel_dir, tmp_path / "two", 2, classes=["forest", "sea"]), workers=0)
+        evaluate(model, make_subset(class_images, tmp_path / "two", 2, classes=["forest", "sea"]), workers=0)
 
 
-def test_split_selection(run_dir, intel_dir, tmp_path):
+def test_split_selection(run_dir, class_images, tmp_path):
     root = tmp_path / "splits"
     for split, offset in (("train", 0), ("val", 2), ("test", 4)):
         for name in CLASSES:
             (root / split / name).mkdir(parents=True)
-            for image in sorted((intel_dir / name).iterdir())[offset:offset + 2]:
+            for image in sorted((class_images / name).iterdir())[offset:offset + 2]:
                 (root / split / name / image.name).symlink_to(image)
     report = evaluate(str(run_dir), root, workers=0)
     assert report.data["split"] == "test" and all("/test/" in p["path"] for p in report.predictions)
@@ -195,14 +195,14 @@ def test_split_selection(run_dir, intel_dir, tmp_path):
 
 
 @pytest.fixture
-def messy_folder(intel_dir, tmp_path) -> Path:
-    """Kaggle's seg_pred/seg_pred layout: 6 real images, a truncated JPEG, an empty file and a text file."""
+def messy_folder(class_images, tmp_path) -> Path:
+    """Kaggle's seg_pred/seg_pred layout: 6 images, a truncated JPEG, an empty file and a text file."""
     folder = tmp_path / "seg_pred" / "seg_pred"
     folder.mkdir(parents=True)
     for name in CLASSES:
-        image = sorted((intel_dir / name).iterdir())[20]
+        image = sorted((class_images / name).iterdir())[20]
         (folder / f"{name}_{image.name}").symlink_to(image)
-    whole = (sorted((intel_dir / "sea").iterdir())[21]).read_bytes()
+    whole = (sorted((class_images / "sea").iterdir())[21]).read_bytes()
     (folder / "truncated.jpg").write_bytes(whole[: len(whole) // 3])
     (folder / "empty.jpg").write_bytes(b"")
     (folder / "notes.jpg").write_text("this is not a picture\n")
@@ -272,12 +272,12 @@ def test_bare_weights_file_with_model_arch(eval_data, tmp_path):
 
 def test_timm_name_needs_pretrained_flag(eval_data):
     result = invoke("evaluate", "vit_tiny_patch16_224", "--data", eval_data)
-    assert result.exit_code == 2 and "--pretrained" in result.output and "Traceback" not in result.output
+    assert result.exit_code == 1 and "--pretrained" in result.output and "Traceback" not in result.output
     assert "not found" in invoke("predict", "no/such/run", eval_data).output
 
 
 # ---- names that are not UTF-8, worker errors, the run's own split ---------------------------------------------
-def test_names_that_are_not_utf8_are_written_escaped(run_dir, intel_dir, tmp_path):
+def test_names_that_are_not_utf8_are_written_escaped(run_dir, class_images, tmp_path):
     """Linux file names are bytes: b'caf\\xe9' is not UTF-8 and reaches Python as 'caf\\udce9'. evaluate, predict
     --output (CSV and JSONL) and predict to stdout write such names as \\xe9 and never fail on one."""
     import os
@@ -285,7 +285,7 @@ def test_names_that_are_not_utf8_are_written_escaped(run_dir, intel_dir, tmp_pat
     data = tmp_path / os.fsdecode(b"d\xe9j\xe0")
     for name in CLASSES:
         (data / name).mkdir(parents=True)
-        for i, image in enumerate(sorted((intel_dir / name).iterdir())[:2]):
+        for i, image in enumerate(sorted((class_images / name).iterdir())[:2]):
             (data / name / os.fsdecode(b"caf\xe9_%d.jpg" % i)).symlink_to(image)
     result = invoke("evaluate", run_dir, "--data", data, "--workers", 0, "--output", tmp_path / "eval")
     assert result.exit_code == 0, result.output
@@ -306,10 +306,10 @@ def test_names_that_are_not_utf8_are_written_escaped(run_dir, intel_dir, tmp_pat
     assert result.exit_code == 0 and result.stdout.count("caf\\xe9_") == 12
 
 
-def test_a_worker_error_keeps_its_message(run_dir, tmp_path, intel_dir):
+def test_a_worker_error_keeps_its_message(run_dir, tmp_path, class_images):
     """An error raised in a DataLoader worker reaches the rows with its own message, not torch's wrapper."""
     for i in range(2):
-        whole = sorted((intel_dir / "sea").iterdir())[i].read_bytes()
+        whole = sorted((class_images / "sea").iterdir())[i].read_bytes()
         (tmp_path / f"cut{i}.jpg").write_bytes(whole[: len(whole) // 3])  # headers fine, pixels missing
     rows = list(predict(str(run_dir), tmp_path, workers=1))
     assert len(rows) == 2
@@ -331,7 +331,7 @@ def own_run(run_dir, eval_data, tmp_path_factory) -> Path:
     return run
 
 
-def test_a_run_is_evaluated_on_its_own_validation_split(own_run, eval_data, intel_dir, tmp_path, caplog):
+def test_a_run_is_evaluated_on_its_own_validation_split(own_run, eval_data, class_images, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="vitft")
     report = evaluate(str(own_run), eval_data, workers=0)
     expected = find_dataset(eval_data, 0.25, 3).val
@@ -339,11 +339,11 @@ def test_a_run_is_evaluated_on_its_own_validation_split(own_run, eval_data, inte
     assert sorted(p["path"] for p in report.predictions) == sorted(str(p) for p, _ in expected)
     assert "the run's own split" in caplog.text and "seed 3" in caplog.text
     # another folder (the same images, linked again) is not the run's data: evaluated whole, as before
-    other = make_subset(intel_dir, tmp_path / "other", 8)
+    other = make_subset(class_images, tmp_path / "other", 8)
     assert evaluate(str(own_run), other, workers=0).data["split"] == "all"
     # a run trained on a train/ + val/ layout: its val folder, whatever the run's val_split says
-    make_subset(intel_dir, tmp_path / "tv" / "train", 2)
-    make_subset(intel_dir, tmp_path / "tv" / "val", 1)
+    make_subset(class_images, tmp_path / "tv" / "train", 2)
+    make_subset(class_images, tmp_path / "tv" / "val", 1)
     config = json.loads((own_run / "config.json").read_text())
     config["vitft"]["train"]["data"] = str(tmp_path / "tv")
     (own_run / "config.json").write_text(json.dumps(config))

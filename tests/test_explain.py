@@ -234,7 +234,7 @@ def test_cli_writes_one_png_per_image_and_the_index(tmp_path):
     assert str(images / "sub" / "a.png") in index and "%" in index
     assert "wrote 3 heat map(s) (gradcam) and index.html" in result.output
     bad = invoke("explain", folder, images, "--output", tmp_path / "out2", "--method", "nope")
-    assert bad.exit_code == 2 and "unknown --method 'nope'" in bad.output
+    assert bad.exit_code == 1 and "unknown --method 'nope'" in bad.output
 
 
 def test_evaluate_explain_overlays_the_mistakes(tmp_path):

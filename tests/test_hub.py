@@ -232,7 +232,7 @@ def test_push_without_token_fails_before_any_request(run, tmp_path):
     with HubServer() as hub:
         (tmp_path / "home").mkdir()
         proc = vitft("push", str(run), REPO, env=hub_env(hub.url, tmp_path / "home"))
-        assert proc.returncode == 2
+        assert proc.returncode == 1
         lines = (proc.stdout + proc.stderr).strip().splitlines()
         assert len(lines) == 1 and "no Hugging Face token" in lines[0] and "HF_TOKEN" in lines[0]
         assert hub.requests == []
@@ -242,7 +242,7 @@ def test_push_permission_denied_is_one_clear_line(run, tmp_path):
     with HubServer(tokens={TOKEN}) as hub:
         hub.fail[("POST", "create")] = 403
         proc = vitft("push", str(run), REPO, env=hub_env(hub.url, tmp_path / "home", TOKEN, tmp_path / "tmp"))
-    assert proc.returncode == 2
+    assert proc.returncode == 1
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert len(lines) == 1 and "permission denied (403)" in lines[0] and "creating the repo" in lines[0]
     assert TOKEN not in lines[0] and "Traceback" not in proc.stderr
@@ -254,7 +254,7 @@ def test_push_to_unreachable_hub_is_one_clear_line(run, tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     proc = vitft("push", str(run), REPO, env=hub_env(f"http://127.0.0.1:{port}", tmp_path / "home", TOKEN))
-    assert proc.returncode == 2
+    assert proc.returncode == 1
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert len(lines) == 1 and "cannot reach the Hugging Face Hub" in lines[0]
 
@@ -327,7 +327,7 @@ def test_export_errors_and_overwrite(run, tmp_path):
     from vit_finetune.cli import app
 
     result = CliRunner().invoke(app, ["export", str(run), str(out)])
-    assert result.exit_code == 2 and "--overwrite" in result.output
+    assert result.exit_code == 1 and "--overwrite" in result.output
     result = CliRunner().invoke(app, ["export", str(run), str(out), "--overwrite", "--dtype", "bf16"])
     assert result.exit_code == 0, result.output
 

@@ -1,35 +1,103 @@
-"""The `vitft` command line: thin Typer commands over the library functions."""
+"""The `vitft` command line: thin Typer commands over the library functions.
+
+Starting it imports neither torch nor timm nor albumentations: each command imports what it runs, so `vitft --help`
+answers at once.
+"""
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
+import inspect
 import logging
 import os
+import re
 import sys
+import typing
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperArgument, TyperCommand, TyperGroup
 
+from . import __version__
+from .config import TrainConfig
 from .errors import VitftError
 
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Fine-tune Vision Transformers on your own images.")
 console = Console(stderr=True)
+
+# where a model comes from, as evaluate, predict and explain take it
+MODEL_HELP = "Run or model folder, weights file (with --model), hf-hub:org/repo, or a timm name (with --pretrained)."
+DEVICE_HELP = "auto, cpu, cuda or mps."
+PRECISION_HELP = "fp32, bf16 or fp16."
+
+
+def _plain_flags(command) -> None:
+    """Flags show no '<bool>' type; arguments are named in capitals (MODEL), as in the usage line."""
+    for param in command.params:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+        elif isinstance(param, TyperArgument) and param.metavar is None:
+            param.metavar = param.name.upper()
+
+
+class _Command(TyperCommand):
+    """A command whose help shows flags without a type and whose usage line reads `MODEL INPUTS...`, not
+    `{model} {inputs}...`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _plain_flags(self)
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        return [re.sub(r"\{([^}]*)\}", r"\1", piece) for piece in super().collect_usage_pieces(ctx)]
+
+
+class _Group(TyperGroup):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _plain_flags(self)
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+
+app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Fine-tune Vision Transformers on your own images.")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"vitft {__version__}")
+        raise typer.Exit()
 
 
 @app.callback()
-def _root() -> None:
-    """Fine-tune Vision Transformers on your own images: finetune, evaluate, predict, export, push."""
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print vitft's version and exit.")] = False,
+) -> None:
+    """Fine-tune Vision Transformers on your own images: finetune, evaluate, predict, explain, export, push."""
 
 
 def command(*args, **kwargs) -> Callable:
-    """`app.command` that turns a VitftError into one red line and exit code 2, never a traceback."""
+    """`app.command` that turns a VitftError into one red line and exit code 1 (2 stays Click's usage error),
+    never a traceback."""
 
     def register(fn: Callable) -> Callable:
         @functools.wraps(fn)
@@ -39,9 +107,9 @@ def command(*args, **kwargs) -> Callable:
                 return fn(*a, **kw)
             except VitftError as err:
                 console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
-                raise typer.Exit(2) from None
+                raise typer.Exit(1) from None
 
-        return app.command(*args, **kwargs)(wrapper)
+        return app.command(*args, cls=_Command, **kwargs)(wrapper)
 
     return register
 
@@ -68,8 +136,23 @@ def _setup_logging() -> None:
     logger.setLevel(logging.INFO)
 
 
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def _matches(pattern: str, *names: str) -> bool:
+    """A glob (`*base*`) matches whole names; plain text matches anywhere in a name. Case-insensitive."""
+    pattern = pattern.lower()
+    glob = any(c in pattern for c in "*?[")
+    return any(fnmatch.fnmatch(n.lower(), pattern) if glob else pattern in n.lower() for n in names)
+
+
 @command("models")
-def models_cmd(pattern: str = typer.Argument("*", help="Glob over architecture names and aliases, e.g. '*base*'.")):
+def models_cmd(pattern: str = typer.Argument(
+        "*", help="Text found in the architecture or alias name (dinov2, deit), or a glob ('*base*').")):
     """List the supported architectures and aliases."""
     from .archs import ALIASES, get_arch, list_archs
 
@@ -77,14 +160,17 @@ def models_cmd(pattern: str = typer.Argument("*", help="Glob over architecture n
     for col in ("name", "params (M)", "img size", "patch", "default weights"):
         table.add_column(col, justify="right" if col in ("params (M)", "img size", "patch") else "left")
     for alias, target in ALIASES.items():
-        if fnmatch.fnmatch(alias, pattern) or fnmatch.fnmatch(target, pattern):
+        if _matches(pattern, alias, target):
             arch = get_arch(target.split(".")[0])
             table.add_row(f"{alias} -> {arch.name}", f"{arch.params_m:.1f}", _size(arch.img_size),
                           _size(arch.patch_size), target.split(".", 1)[1])
-    for name in list_archs(pattern):
-        arch = get_arch(name)
-        table.add_row(name, f"{arch.params_m:.1f}", _size(arch.img_size), _size(arch.patch_size),
-                      arch.default_tag or "-")
+    for name in list_archs():
+        if _matches(pattern, name):
+            arch = get_arch(name)
+            table.add_row(name, f"{arch.params_m:.1f}", _size(arch.img_size), _size(arch.patch_size),
+                          arch.default_tag or "-")
+    if not table.row_count:
+        raise VitftError(f"no architecture or alias matches {pattern!r}; `vitft models` lists them all")
     Console().print(table)
 
 
@@ -94,6 +180,91 @@ def _size(hw) -> str:
 
 # Commands for finetune/demo, evaluate/predict and export/push are registered below.
 # <finetune-commands>
+DATA, MODEL, OPTIMISATION, AUGMENTATION, RUNTIME, OUTPUT = (
+    "Data", "Model", "Optimisation", "Augmentation", "Runtime", "Output")
+
+
+@dataclass(frozen=True)
+class FinetuneOption:
+    """One `vitft finetune` option: a TrainConfig field, its help panel and help. The type and default come from
+    TrainConfig; `default` describes a default of None (what the run does then)."""
+
+    field: str
+    panel: str
+    help: str
+    default: Optional[str] = None
+    metavar: Optional[str] = None
+
+
+FINETUNE_OPTIONS = (
+    FinetuneOption("data", DATA, "Image folder: class folders, train/ + val/, or the Intel layout.", metavar="DIR"),
+    FinetuneOption("val_split", DATA, "Validation fraction for a single folder of classes."),
+    FinetuneOption("cache", DATA, "Decode every image once and keep it in memory."),
+    FinetuneOption("workers", DATA, "DataLoader worker processes.",
+                   "chosen with torch's threads from the work and the cores; the start-up lines say which"),
+    FinetuneOption("pretrained", MODEL, "Weights: vit_b_16, arch.tag, hf-hub:org/repo, a folder or file, or 'none' "
+                   "(random initialisation).", "--model's default weights, else vit_b_16", metavar="WEIGHTS"),
+    FinetuneOption("model", MODEL, "Architecture, where the weights do not imply it.", metavar="ARCH"),
+    FinetuneOption("model_kwargs", MODEL, "Architecture override KEY=VALUE (repeatable), e.g. patch_size=8.",
+                   metavar="KEY=VALUE"),
+    FinetuneOption("img_size", MODEL, "Training resolution (position embedding resized).", "the weights'"),
+    FinetuneOption("drop_path", MODEL, "Stochastic depth rate."),
+    FinetuneOption("epochs", OPTIMISATION, "Training epochs."),
+    FinetuneOption("batch_size", OPTIMISATION, "Images per step per process."),
+    FinetuneOption("accum_steps", OPTIMISATION, "Gradient accumulation steps (effective batch = batch x steps)."),
+    FinetuneOption("lr", OPTIMISATION, f"Base learning rate per {TrainConfig.lr_base_size} images, scaled by the "
+                   "effective batch."),
+    FinetuneOption("weight_decay", OPTIMISATION, "AdamW weight decay."),
+    FinetuneOption("layer_decay", OPTIMISATION, "Layer-wise learning-rate decay (1 = off).",
+                   "0.75 with pretrained weights, off from scratch"),
+    FinetuneOption("warmup_epochs", OPTIMISATION, "Linear warmup epochs."),
+    FinetuneOption("clip_grad", OPTIMISATION, "Gradient norm clip (0 = off)."),
+    FinetuneOption("label_smoothing", OPTIMISATION, "Label smoothing of the cross-entropy loss (0 = off)."),
+    FinetuneOption("ema", OPTIMISATION, "Keep an EMA of the weights; it is saved when it validates better."),
+    FinetuneOption("freeze_backbone", OPTIMISATION, "Linear probe: train the head only."),
+    FinetuneOption("unfreeze_after", OPTIMISATION, "With --freeze-backbone: train everything from this epoch.",
+                   "never"),
+    FinetuneOption("feature_views", OPTIMISATION, "With --freeze-backbone: compute the pooled features once, for N "
+                   "views of each image (1: un-augmented; 0: recompute every epoch), and train the head on them."),
+    FinetuneOption("head_lr", OPTIMISATION, "Base learning rate while the backbone is frozen.", "--lr"),
+    FinetuneOption("max_steps_per_epoch", OPTIMISATION, "Cap the optimizer steps per epoch (quick looks, smoke "
+                   "tests).", "no cap"),
+    FinetuneOption("seed", OPTIMISATION, "Random seed (data split, initialisation, augmentation)."),
+    FinetuneOption("mixup", AUGMENTATION, "Mixup alpha (0 = off)."),
+    FinetuneOption("cutmix", AUGMENTATION, "CutMix alpha (0 = off)."),
+    FinetuneOption("color_jitter", AUGMENTATION, "Colour jitter strength (0 = off)."),
+    FinetuneOption("strong_aug", AUGMENTATION, "TrivialAugment-like policy + random erasing."),
+    FinetuneOption("device", RUNTIME, DEVICE_HELP),
+    FinetuneOption("precision", RUNTIME, "bf16, fp16, fp32 or auto (bf16 on CUDA, fp32 elsewhere)."),
+    FinetuneOption("compile", RUNTIME, "torch.compile the model."),
+    FinetuneOption("grad_checkpointing", RUNTIME, "Trade compute for memory: recompute activations in backward."),
+    FinetuneOption("output", OUTPUT, "Run folder.", "runs/<date>-<model>", metavar="DIR"),
+    FinetuneOption("overwrite", OUTPUT, "Replace an existing run folder."),
+    FinetuneOption("save_every", OUTPUT, "Also checkpoint every N optimizer steps.", "at every epoch end only"),
+    FinetuneOption("tensorboard", OUTPUT, "Write TensorBoard logs to the run folder."),
+    FinetuneOption("push_to_hub", OUTPUT, "Push the best model to this Hub repo when training ends.",
+                   metavar="REPO"),
+    FinetuneOption("quiet", OUTPUT, "Log lines only, no progress bars."),
+)
+
+
+def _finetune_parameter(option: FinetuneOption) -> inspect.Parameter:
+    """The Typer parameter of an option: its type and default from TrainConfig, `--x/--no-x` for a boolean."""
+    hint = typing.get_type_hints(TrainConfig)[option.field]
+    default = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == option.field)
+    dashed = "--" + option.field.replace("_", "-")
+    extra: dict[str, Any] = {"metavar": option.metavar}
+    if option.field == "model_kwargs":
+        hint, default = Optional[list[str]], None
+    elif hint is bool:
+        dashed = f"{dashed}/--no-{dashed[2:]}"
+    elif default is None:
+        extra["show_default"] = option.default
+    info = typer.Option(dashed, help=option.help, rich_help_panel=option.panel, **extra)
+    return inspect.Parameter(option.field, inspect.Parameter.KEYWORD_ONLY, default=default,
+                             annotation=Annotated[hint, info])
+
+
 def _parse_kwargs(pairs: list[str]) -> dict:
     """KEY=VALUE strings -> dict, values parsed as YAML scalars (8 -> int, 0.1 -> float, true -> bool)."""
     import yaml
@@ -107,54 +278,16 @@ def _parse_kwargs(pairs: list[str]) -> dict:
     return out
 
 
-@command("finetune")
-def finetune_cmd(
-    data: Optional[str] = typer.Option(None, "--data", help="Image folder: class folders, train/ + val/, or the Intel layout."),
-    pretrained: Optional[str] = typer.Option(None, help="Weights: vit_b_16, arch.tag, hf-hub:org/repo, a folder or file, or 'none'. (default: --model's default weights, else vit_b_16)"),
-    model: Optional[str] = typer.Option(None, "--model", help="Architecture, where the weights do not imply it."),
-    model_kwargs: Optional[list[str]] = typer.Option(None, "--model-kwargs", help="Architecture overrides KEY=VALUE (repeatable), e.g. patch_size=8."),
-    recipe: Optional[Path] = typer.Option(None, help="YAML recipe; flags override it."),
-    resume: Optional[Path] = typer.Option(None, help="Continue the run in this folder (needs no other option)."),
-    epochs: Optional[int] = typer.Option(None, help="Epochs. (default: 10)"),
-    batch_size: Optional[int] = typer.Option(None, help="Images per step per process. (default: 64)"),
-    lr: Optional[float] = typer.Option(None, help="Base LR per 512 images (scaled by the effective batch). (default: 5e-4)"),
-    img_size: Optional[int] = typer.Option(None, help="Training resolution (position embedding resized). (default: the weights')"),
-    workers: Optional[int] = typer.Option(None, help="DataLoader worker processes. (default: chosen with torch's threads from the work and the cores; the start-up lines say which)"),
-    seed: Optional[int] = typer.Option(None, help="Random seed. (default: 0)"),
-    output: Optional[str] = typer.Option(None, help="Run folder. (default: runs/<date>-<model>)"),
-    overwrite: Optional[bool] = typer.Option(None, "--overwrite", help="Replace an existing run folder."),
-    val_split: Optional[float] = typer.Option(None, help="Validation fraction for a single folder of classes. (default: 0.1)"),
-    layer_decay: Optional[float] = typer.Option(None, help="Layer-wise LR decay (1 = off). (default: 0.75 with pretrained weights, off from scratch)"),
-    weight_decay: Optional[float] = typer.Option(None, help="AdamW weight decay. (default: 0.05)"),
-    warmup_epochs: Optional[int] = typer.Option(None, help="Linear warmup epochs. (default: 1)"),
-    accum_steps: Optional[int] = typer.Option(None, help="Gradient accumulation steps. (default: 1)"),
-    clip_grad: Optional[float] = typer.Option(None, help="Gradient norm clip (0 = off). (default: 1.0)"),
-    label_smoothing: Optional[float] = typer.Option(None, help="(default: 0.1)"),
-    mixup: Optional[float] = typer.Option(None, help="Mixup alpha (0 = off)."),
-    cutmix: Optional[float] = typer.Option(None, help="CutMix alpha (0 = off)."),
-    drop_path: Optional[float] = typer.Option(None, help="Stochastic depth rate. (default: 0.1)"),
-    ema: Optional[bool] = typer.Option(None, "--ema/--no-ema", help="Keep an EMA of the weights; saved when better."),
-    freeze_backbone: Optional[bool] = typer.Option(None, "--freeze-backbone", help="Linear probe: train the head only."),
-    unfreeze_after: Optional[int] = typer.Option(None, help="With --freeze-backbone: train everything from this epoch."),
-    feature_views: Optional[int] = typer.Option(None, help="With --freeze-backbone: compute the pooled features once, for N views of each image (1: un-augmented; 0: recompute every epoch), and train the head on them. (default: 1)"),
-    head_lr: Optional[float] = typer.Option(None, help="Base LR per 512 images while the backbone is frozen. (default: --lr)"),
-    color_jitter: Optional[float] = typer.Option(None, help="Colour jitter strength (0 = off)."),
-    strong_aug: Optional[bool] = typer.Option(None, "--strong-aug", help="TrivialAugment-like policy + random erasing."),
-    cache: Optional[bool] = typer.Option(None, "--cache", help="Decode every image once and keep it in memory."),
-    precision: Optional[str] = typer.Option(None, help="bf16, fp16, fp32 or auto (bf16 on CUDA). (default: auto)"),
-    compile: Optional[bool] = typer.Option(None, "--compile", help="torch.compile the model."),
-    grad_checkpointing: Optional[bool] = typer.Option(None, "--grad-checkpointing", help="Trade compute for memory."),
-    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda or mps. (default: auto)"),
-    save_every: Optional[int] = typer.Option(None, help="Also checkpoint every N optimizer steps."),
-    max_steps_per_epoch: Optional[int] = typer.Option(None, help="Cap the optimizer steps per epoch (quick looks, smoke tests)."),
-    tensorboard: Optional[bool] = typer.Option(None, "--tensorboard", help="Write TensorBoard logs."),
-    push_to_hub: Optional[str] = typer.Option(None, help="Push the best model to this Hub repo when training ends."),
-    quiet: Optional[bool] = typer.Option(None, "--quiet", help="Log lines only, no progress bars."),
-):
-    """Fine-tune a ViT on an image folder: `vitft finetune --pretrained vit_b_16 --data ./intel`."""
-    from .train import finetune, load_recipe
+def finetune_cmd(ctx: typer.Context, recipe: Optional[Path], resume: Optional[Path], **options: Any) -> None:
+    """Fine-tune a ViT on an image folder: `vitft finetune --pretrained vit_b_16 --data ./intel`.
 
-    flags = {k: v for k, v in locals().items() if v is not None and k not in ("recipe", "resume", "finetune", "load_recipe")}
+    Options given on the command line override the recipe's; the others take the recipe's value, else the
+    default shown.
+    """
+    from .train import finetune
+
+    flags = {name: value for name, value in options.items()
+             if ctx.get_parameter_source(name).name == "COMMANDLINE"}  # not the defaults: the recipe's win
     if "model_kwargs" in flags:
         flags["model_kwargs"] = _parse_kwargs(flags["model_kwargs"])
     if resume is not None:
@@ -162,11 +295,36 @@ def finetune_cmd(
             raise VitftError("--recipe is for new runs; with --resume, pass changed options as flags")
         result = finetune(resume=resume, **flags)
     else:
+        from .config import load_recipe
+
         config = load_recipe(recipe) if recipe else {}
         if recipe and "model_kwargs" in flags:
             flags["model_kwargs"] = {**config.get("model_kwargs", {}), **flags["model_kwargs"]}
         result = finetune({**config, **flags})
     _summary(result)
+
+
+finetune_cmd.__signature__ = inspect.Signature([
+    inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
+    inspect.Parameter("recipe", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
+        Optional[Path], typer.Option(help="YAML recipe of options; options given here override it.",
+                                     metavar="YAML")]),
+    inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
+        Optional[Path], typer.Option(help="Continue the run in this folder (needs no other option; options given "
+                                     "change it).", metavar="RUN")]),
+    *(_finetune_parameter(option) for option in FINETUNE_OPTIONS),
+])
+command("finetune")(finetune_cmd)
+
+
+def _run_data(run_dir: Path) -> Optional[str]:
+    """The data a run folder trained on, from its train_config.json."""
+    import json
+
+    try:
+        return json.loads((Path(run_dir) / "train_config.json").read_text(encoding="utf-8")).get("data")
+    except (OSError, ValueError):
+        return None
 
 
 @command("demo")
@@ -187,13 +345,11 @@ def demo_cmd(
 
 
 def _summary(result) -> None:
-    if result.interrupted:
-        console.print(f"[yellow]interrupted[/] after {result.epochs_done} epochs; continue with "
-                      f"`vitft finetune --resume {result.run_dir}`")
-    table = Table(title="run summary")
-    table.add_column("")
-    table.add_column("")
-    table.add_row("run folder", str(result.run_dir))
+    """The run's outcome, and the command to run next: resume an interrupted run, else evaluate the finished one."""
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("run folder", escape(str(result.run_dir)))
     table.add_row("epochs done", str(result.epochs_done))
     if result.best_epoch > 0:
         table.add_row("best val top-1", f"{100 * result.best_top1:.1f}% (epoch {result.best_epoch})")
@@ -202,78 +358,234 @@ def _summary(result) -> None:
         table.add_row("last val top-1", f"{100 * last['val_top1']:.1f}%")
         table.add_row("last train loss", f"{last['train_loss']:.4f}")
     console.print(table)
+    if result.interrupted:
+        console.print(f"[yellow]interrupted[/] after {_plural(result.epochs_done, 'epoch')}; continue with "
+                      f"`vitft finetune --resume {escape(_quoted(result.run_dir))}`", highlight=False, soft_wrap=True)
+    else:
+        data = _run_data(result.run_dir)
+        console.print(f"next: `vitft evaluate {escape(_quoted(result.run_dir))} --data "
+                      f"{escape(_quoted(data) if data else 'DATA')}`", highlight=False, soft_wrap=True)
+
+
+def _quoted(path) -> str:
+    import shlex
+
+    return shlex.quote(str(path))
 
 # <evaluate-commands>
+def _check_model_arg(model: str, arch: Optional[str], pretrained: bool) -> None:
+    """Clear errors for a missing path, and for a timm name given without --pretrained."""
+    from .refs import RefKind, parse_ref
+
+    ref = parse_ref(model)
+    if ref.kind in (RefKind.FOLDER, RefKind.FILE, RefKind.HUB, RefKind.LOCAL_DIR) or (arch and pretrained):
+        return
+    if ref.kind is RefKind.MISSING_PATH and not arch:
+        raise VitftError(f"model {model} not found; pass a run or model folder, a weights file with --model ARCH, "
+                         f"hf-hub:org/repo, or a timm name with --pretrained")
+    if not arch and not pretrained:
+        raise VitftError(f"{model} is not a file or folder; to use the pretrained weights of the timm model "
+                         f"{model}, add --pretrained")
+
+
+def default_output(model: str) -> Path:
+    """The run folder for a local model folder, else ./eval-<model name>."""
+    from .refs import RefKind, parse_ref
+
+    ref = parse_ref(model)
+    if ref.kind in (RefKind.LOCAL_DIR, RefKind.FOLDER):
+        return ref.path
+    name = ref.path.stem if ref.kind is RefKind.FILE else ref.target.rstrip("/").split("/")[-1]
+    return Path("eval-" + (re.sub(r"[^\w.-]+", "-", name).strip("-") or "model"))
+
+
+def print_report(report, out: Optional[Console] = None) -> None:
+    """An EvalReport as rich tables on a terminal, as plain aligned text when piped."""
+    from rich import box
+
+    from .data import printable
+
+    def shown(text: str) -> str:  # rich markup escaped, undecodable file name bytes as \xNN
+        return escape(printable(text))
+
+    out = out or Console()
+    style = box.SIMPLE_HEAD if out.is_terminal else None
+    data = report.data
+    out.print(f"evaluated {shown(str(report.model['source'] or report.model['architecture']))} on "
+              f"{shown(data['root'])} (split: {data['split']}, layout: {shown(data['layout'])}): "
+              f"{report.num_images} images", highlight=False, soft_wrap=True)
+    summary = Table.grid(padding=(0, 2))
+    summary.add_column()
+    summary.add_column(justify="right")
+    summary.add_row("top-1 accuracy", f"{100 * report.accuracy:.1f}%")
+    if report.top5 is not None:
+        summary.add_row("top-5 accuracy", f"{100 * report.top5:.1f}%")
+    summary.add_row("loss", f"{report.loss:.4f}")
+    summary.add_row("macro F1", f"{report.macro_f1:.3f}")
+    summary.add_row("weighted F1", f"{report.weighted_f1:.3f}")
+    summary.add_row("images/s", f"{report.images_per_s:.1f}")
+    out.print(summary, highlight=False)
+
+    per_class = Table(title="per class", box=style, title_justify="left", highlight=False)
+    per_class.add_column("class")
+    for col in ("precision", "recall", "F1", "support"):
+        per_class.add_column(col, justify="right")
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    for name, row in report.per_class.items():
+        per_class.add_row(shown(name), fmt(row["precision"]), fmt(row["recall"]), fmt(row["f1"]),
+                          str(row["support"]))
+    out.print()
+    out.print(per_class)
+    if report.confused_pairs:
+        pairs = Table(title="most confused (true -> predicted)", box=style, title_justify="left", highlight=False)
+        for col in ("true", "predicted", "count", "% of true"):
+            pairs.add_column(col, justify="right" if col in ("count", "% of true") else "left")
+        for p in report.confused_pairs[:5]:
+            pairs.add_row(shown(p["true"]), shown(p["predicted"]), str(p["count"]),
+                          f"{100 * p['fraction_of_true']:.1f}%")
+        out.print()
+        out.print(pairs)
+    if report.absent_classes:
+        out.print(f"\nmodel classes not in the data (support 0): {shown(', '.join(report.absent_classes))}",
+                  highlight=False, soft_wrap=True)
+    if report.skipped:
+        out.print(f"\n{len(report.skipped)} file(s) skipped (not readable images): "
+                  f"{shown(', '.join(report.skipped[:3]))}" + (" ..." if len(report.skipped) > 3 else ""),
+                  highlight=False, soft_wrap=True)
+    if report.output is not None:
+        out.print(f"\nwrote report.json, predictions.csv, confusion_matrix.png, mistakes.png to "
+                  f"{shown(str(report.output))}", highlight=False, soft_wrap=True)
+
+
 @command("evaluate")
 def evaluate_cmd(
-    model: str = typer.Argument(..., help="Run or model folder, weights file (with --model), hf-hub:org/repo, or a timm name (with --pretrained)."),
-    data: str = typer.Option(..., "--data", help="Labelled images in any layout finetune accepts."),
-    split: Optional[str] = typer.Option(None, help="train, val or test. (default: test if present, else val; a single folder is evaluated whole)"),
-    arch: Optional[str] = typer.Option(None, "--model", help="Architecture of a bare weights file."),
-    pretrained: bool = typer.Option(False, "--pretrained", help="MODEL is a timm name: evaluate its pretrained weights."),
-    img_size: Optional[int] = typer.Option(None, help="Evaluate at this resolution (position embedding resized)."),
+    model: str = typer.Argument(..., help=MODEL_HELP),
+    data: str = typer.Option(..., "--data", help="Labelled images in any layout finetune accepts.", metavar="DIR"),
+    split: Optional[str] = typer.Option(None, help="train, val or test.", show_default=(
+        "test if present, else val; a single folder is evaluated whole")),
+    arch: Optional[str] = typer.Option(None, "--model", help="Architecture of a bare weights file.", metavar="ARCH"),
+    pretrained: bool = typer.Option(False, "--pretrained", help="MODEL is a timm name: evaluate its pretrained "
+                                    "weights."),
+    img_size: Optional[int] = typer.Option(None, help="Evaluate at this resolution (position embedding resized).",
+                                           show_default="the model's"),
     tta: bool = typer.Option(False, "--tta", help="Average the predictions of each image and its mirror image."),
     batch_size: int = typer.Option(64, help="Images per batch."),
-    workers: Optional[int] = typer.Option(None, help="DataLoader worker processes. (default: cores - 1, at most 8)"),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
-    precision: str = typer.Option("fp32", help="fp32, bf16 or fp16."),
-    output: Optional[str] = typer.Option(None, help="Folder for report.json and friends. (default: the run folder, else ./eval-<model>)"),
-    explain: bool = typer.Option(False, "--explain", help="Overlay attention-rollout heat maps on mistakes.png (see `vitft explain`)."),
-    val_split: Optional[float] = typer.Option(None, help="Split data without a validation folder, as finetune does, and evaluate its val part. (default: a run's own split on the data it trained on, else a single folder is evaluated whole)"),
-    seed: Optional[int] = typer.Option(None, help="Seed of that split. (default: the run's, else 0)"),
+    workers: Optional[int] = typer.Option(None, help="DataLoader worker processes.",
+                                          show_default="cores - 1, at most 8"),
+    device: str = typer.Option("auto", help=DEVICE_HELP),
+    precision: str = typer.Option("fp32", help=PRECISION_HELP),
+    output: Optional[str] = typer.Option(None, help="Folder for report.json and friends.", metavar="DIR",
+                                         show_default="the run folder, else ./eval-<model>"),
+    explain: bool = typer.Option(False, "--explain", help="Overlay attention-rollout heat maps on mistakes.png (see "
+                                 "`vitft explain`)."),
+    val_split: Optional[float] = typer.Option(None, help="Split data without a validation folder, as finetune does, "
+                                              "and evaluate its val part.", show_default=(
+                                                  "a run's own split on the data it trained on, else a single "
+                                                  "folder is evaluated whole")),
+    seed: Optional[int] = typer.Option(None, help="Seed of that split.", show_default="the run's, else 0"),
 ):
     """Evaluate a model on labelled images: metrics, per-class table, confusion matrix, mistakes."""
-    from .evaluate import evaluate_command
+    from .evaluate import evaluate
+    from .progress import ProgressBar
 
-    evaluate_command(model, data, split=split, arch=arch, pretrained=pretrained, img_size=img_size, tta=tta,
-                     batch_size=batch_size, workers=workers, device=device, precision=precision, output=output,
-                     explain="rollout" if explain else None, val_split=val_split, seed=seed)
+    _check_model_arg(model, arch, pretrained)
+    out = Path(output).expanduser() if output else default_output(model)
+    with ProgressBar("evaluating", min_total=128) as bar:
+        report = evaluate(model, data, split=split, img_size=img_size, tta=tta, batch_size=batch_size,
+                          workers=workers, device=device, precision=precision, output=out, arch=arch, progress=bar,
+                          val_split=val_split, seed=seed, explain="rollout" if explain else None)
+    print_report(report)
 
 
 @command("predict")
 def predict_cmd(
-    model: str = typer.Argument(..., help="Run or model folder, weights file (with --model), hf-hub:org/repo, or a timm name (with --pretrained)."),
+    model: str = typer.Argument(..., help=MODEL_HELP),
     inputs: list[str] = typer.Argument(..., help="Image files, folders (searched recursively) or globs."),
-    arch: Optional[str] = typer.Option(None, "--model", help="Architecture of a bare weights file."),
+    arch: Optional[str] = typer.Option(None, "--model", help="Architecture of a bare weights file.", metavar="ARCH"),
     pretrained: bool = typer.Option(False, "--pretrained", help="MODEL is a timm name: use its pretrained weights."),
     top_k: int = typer.Option(3, help="Labels per image."),
-    fmt: Optional[str] = typer.Option(None, "--format", help="csv or jsonl. (default: from --output's suffix, else csv)"),
-    output: Optional[str] = typer.Option(None, help="Output file. (default: stdout)"),
+    fmt: Optional[str] = typer.Option(None, "--format", help="csv or jsonl.",
+                                      show_default="from --output's suffix, else csv"),
+    output: Optional[str] = typer.Option(None, help="Output file.", metavar="FILE", show_default="stdout"),
     batch_size: int = typer.Option(64, help="Images per batch."),
-    workers: Optional[int] = typer.Option(None, help="DataLoader worker processes. (default: cores - 1, at most 8)"),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
-    precision: str = typer.Option("fp32", help="fp32, bf16 or fp16."),
-    img_size: Optional[int] = typer.Option(None, help="Predict at this resolution (position embedding resized)."),
+    workers: Optional[int] = typer.Option(None, help="DataLoader worker processes.",
+                                          show_default="cores - 1, at most 8"),
+    device: str = typer.Option("auto", help=DEVICE_HELP),
+    precision: str = typer.Option("fp32", help=PRECISION_HELP),
+    img_size: Optional[int] = typer.Option(None, help="Predict at this resolution (position embedding resized).",
+                                           show_default="the model's"),
     tta: bool = typer.Option(False, "--tta", help="Average the predictions of each image and its mirror image."),
 ):
     """Predict the top-k labels of images; unreadable files become rows with an error."""
-    from .evaluate import predict_command
+    from .data import printable
+    from .evaluate import predict, write_predictions
+    from .progress import ProgressBar
+    from .weights import atomic_write
 
-    predict_command(model, inputs, arch=arch, pretrained=pretrained, top_k=top_k, fmt=fmt, output=output,
-                    batch_size=batch_size, workers=workers, device=device, precision=precision,
-                    img_size=img_size, tta=tta)
+    _check_model_arg(model, arch, pretrained)
+    if not inputs:
+        raise VitftError("give at least one image file, folder or glob to predict")
+    suffix = Path(output).suffix.lower() if output else ""
+    fmt = (fmt or ("jsonl" if suffix in (".jsonl", ".json", ".ndjson") else "csv")).lower()
+    if fmt not in ("csv", "jsonl"):
+        raise VitftError(f"unknown --format {fmt!r}; use csv or jsonl")
+    # a bar on a terminal only when the rows do not go to that same terminal
+    with ProgressBar("predicting", enabled=bool(output) or not sys.stdout.isatty(), min_total=128) as bar:
+        rows = predict(model, inputs, top_k=top_k, img_size=img_size, tta=tta, batch_size=batch_size,
+                       workers=workers, device=device, precision=precision, arch=arch, progress=bar)
+        counts = []
+        if output:
+            def write(tmp: Path) -> None:
+                with open(tmp, "w", newline="", encoding="utf-8") as f:
+                    counts.append(write_predictions(rows, f, fmt, rows.top_k))
+
+            atomic_write(Path(output).expanduser(), write)
+        else:
+            counts.append(write_predictions(rows, sys.stdout, fmt, rows.top_k))
+    good, bad = counts[0]
+    if output:
+        console.print(f"wrote {good} prediction(s) to {escape(printable(str(output)))}", highlight=False,
+                      soft_wrap=True)
+    if bad:
+        console.print(f"[yellow]warning:[/] {bad} of {good + bad} file(s) could not be read; their rows have an "
+                      f"error field", highlight=False, soft_wrap=True)
 
 
 @command("explain")
 def explain_cmd(
-    model: str = typer.Argument(..., help="Run or model folder, weights file (with --model), hf-hub:org/repo, or a timm name (with --pretrained)."),
+    model: str = typer.Argument(..., help=MODEL_HELP),
     images: list[str] = typer.Argument(..., help="Image files, folders (searched recursively) or globs."),
-    output: str = typer.Option(..., "--output", help="Folder for one PNG per image and index.html."),
-    method: str = typer.Option("rollout", help="rollout (attention rollout), attention (last block) or gradcam (gradient-weighted, per class)."),
-    target: Optional[str] = typer.Option(None, help="With --method gradcam: the label to explain. (default: the prediction)"),
-    arch: Optional[str] = typer.Option(None, "--model", help="Architecture of a bare weights file."),
+    output: str = typer.Option(..., "--output", help="Folder for one PNG per image and index.html.", metavar="DIR"),
+    method: str = typer.Option("rollout", help="rollout (attention rollout), attention (last block) or gradcam "
+                               "(gradient-weighted, per class)."),
+    target: Optional[str] = typer.Option(None, help="With --method gradcam: the label to explain.",
+                                         show_default="the prediction"),
+    arch: Optional[str] = typer.Option(None, "--model", help="Architecture of a bare weights file.", metavar="ARCH"),
     pretrained: bool = typer.Option(False, "--pretrained", help="MODEL is a timm name: use its pretrained weights."),
     top_k: int = typer.Option(3, help="Labels shown per image."),
-    img_size: Optional[int] = typer.Option(None, help="Run at this resolution (position embedding resized)."),
+    img_size: Optional[int] = typer.Option(None, help="Run at this resolution (position embedding resized).",
+                                           show_default="the model's"),
     batch_size: int = typer.Option(16, help="Images per batch."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
-    precision: str = typer.Option("fp32", help="fp32, bf16 or fp16."),
+    device: str = typer.Option("auto", help=DEVICE_HELP),
+    precision: str = typer.Option("fp32", help=PRECISION_HELP),
 ):
     """Show where the model looked: a heat map over each image, with its top labels."""
-    from .explain import explain_command
+    from .explain import explain
+    from .progress import ProgressBar
 
-    explain_command(model, images, output, method=method, target=target, arch=arch, pretrained=pretrained,
-                    top_k=top_k, img_size=img_size, batch_size=batch_size, device=device, precision=precision)
+    _check_model_arg(model, arch, pretrained)
+    if not images:
+        raise VitftError("give at least one image file, folder or glob to explain")
+    with ProgressBar("explaining", min_total=8) as bar:
+        results = explain(model, images, method=method, target=target, output=output, top_k=top_k,
+                          img_size=img_size, batch_size=batch_size, device=device, precision=precision, arch=arch,
+                          progress=bar)
+    bad = sum(r.error is not None for r in results)
+    console.print(f"wrote {len(results) - bad} heat map(s) ({method}) and index.html to "
+                  f"{escape(str(Path(output).expanduser()))}", highlight=False, soft_wrap=True)
+    if bad:
+        console.print(f"[yellow]warning:[/] {bad} of {len(results)} file(s) could not be read", highlight=False,
+                      soft_wrap=True)
 # <hub-commands>
 @command("export")
 def export_cmd(
@@ -281,10 +593,17 @@ def export_cmd(
     out_dir: Path = typer.Argument(..., help="Folder to write: config.json, model.safetensors, README.md, images."),
     dtype: str = typer.Option("fp32", "--dtype", help="Saved weights' precision: fp32, fp16 or bf16."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the exported files in a non-empty OUT_DIR."),
-    repo_id: Optional[str] = typer.Option(None, "--repo-id", help="Repo the card's usage snippets name (default: a <user>/<repo> placeholder)."),
-    dataset: Optional[str] = typer.Option(None, "--dataset", help="Hub dataset id trained on, for the card's metadata."),
-    onnx: bool = typer.Option(False, "--onnx", help="Also write model.onnx (float32), checked against PyTorch with onnxruntime. Needs: pip install 'vit-finetune[onnx]'."),
-    img_size: Optional[int] = typer.Option(None, "--img-size", help="Export everything at this input size (position embedding resized). (default: the run's)"),
+    repo_id: Optional[str] = typer.Option(None, "--repo-id",
+                                          help="Repo the card's usage snippets name.",
+                                          show_default="a <user>/<repo> placeholder"),
+    dataset: Optional[str] = typer.Option(None, "--dataset",
+                                          help="Hub dataset id trained on, for the card's metadata."),
+    onnx: bool = typer.Option(False, "--onnx",
+                              help="Also write model.onnx (float32), checked against PyTorch with onnxruntime. Needs: "
+                                   "pip install 'vit-finetune[onnx]'."),
+    img_size: Optional[int] = typer.Option(None, "--img-size",
+                                           help="Export everything at this input size (position embedding resized).",
+                                           show_default="the run's"),
 ):
     """Export a run as a Hub-ready model folder: timm format plus a model card (and model.onnx with --onnx)."""
     from .hub import export
@@ -298,14 +617,21 @@ def export_cmd(
 def push_cmd(
     run_dir: Path = typer.Argument(..., help="Run folder written by `vitft finetune`."),
     repo_id: str = typer.Argument(..., help="Hub model repo, user/name or org/name (created when missing)."),
-    token: Optional[str] = typer.Option(None, "--token", help="Hub token with write access (default: HF_TOKEN, else the cached `hf auth login`).", show_default=False),
-    private: bool = typer.Option(False, "--private", help="Create the repo private (an existing repo keeps its visibility)."),
-    revision: Optional[str] = typer.Option(None, "--revision", help="Branch to commit to, created from main when missing (default: main)."),
-    create_pr: bool = typer.Option(False, "--create-pr", help="Open a pull request against main instead of committing to it."),
+    token: Optional[str] = typer.Option(None, "--token",
+                                        help="Hub token with write access.",
+                                        show_default="HF_TOKEN, else the cached `hf auth login`"),
+    private: bool = typer.Option(False, "--private",
+                                 help="Create the repo private (an existing repo keeps its visibility)."),
+    revision: Optional[str] = typer.Option(None, "--revision",
+                                           help="Branch to commit to, created from main when missing.",
+                                           show_default="main"),
+    create_pr: bool = typer.Option(False, "--create-pr",
+                                   help="Open a pull request against main instead of committing to it."),
     commit_message: Optional[str] = typer.Option(None, "--commit-message", help="Commit title."),
     overwrite_card: bool = typer.Option(False, "--overwrite-card", help="Replace a README.md already in the repo."),
     dtype: str = typer.Option("fp32", "--dtype", help="Uploaded weights' precision: fp32, fp16 or bf16."),
-    dataset: Optional[str] = typer.Option(None, "--dataset", help="Hub dataset id trained on, for the card's metadata."),
+    dataset: Optional[str] = typer.Option(None, "--dataset",
+                                          help="Hub dataset id trained on, for the card's metadata."),
 ):
     """Export a run and upload it to a Hugging Face Hub model repo."""
     from .hub import push

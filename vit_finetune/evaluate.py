@@ -4,7 +4,7 @@
 horizontal-flip test-time augmentation), computes the metrics with numpy (top-1, top-5, cross-entropy, per-class
 precision/recall/F1, confusion matrix) and writes report.json, predictions.csv, confusion_matrix.png and mistakes.png.
 `predict` yields top-k labels per image as batches complete; files that cannot be read become rows with an error.
-`evaluate_command` and `predict_command` are what the `vitft evaluate` / `vitft predict` commands run.
+The `vitft evaluate` / `vitft predict` commands (cli.py) print and write what these return.
 """
 from __future__ import annotations
 
@@ -14,25 +14,23 @@ import json
 import logging
 import math
 import os
-import re
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import IO, Optional, Union
+from typing import IO, Optional, Sequence, Union
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from timm.data.constants import DEFAULT_CROP_PCT, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
-from .data import (ImageDataset, build_loader, build_transforms, find_dataset, list_images, load_rgb, printable,
+from .data import (ImageDataset, build_loader, build_transforms, find_dataset, list_images, printable,
                    printable_tree, unreadable_reason)
 from .errors import VitftError
 from .model import VisionTransformer
+from .plots import confusion_figure, mistakes_figure, save_png, shown_mistakes
 from .pos_embed import _pair
-from .refs import RefKind, parse_ref
 from .runtime import check_precision, compute_context, resolve_device
 from .weights import atomic_write, describe_weights, load_model
 
@@ -43,8 +41,6 @@ ProgressFn = Callable[[int, int], None]  # (images done, total)
 SPLITS = ("train", "val", "test")
 DECODE_ERROR = "could not be decoded (truncated or corrupt image)"
 N_CONFUSED_PAIRS = 10
-N_MISTAKES = 16
-THUMB_PX = 260  # mistakes.png cells are 2.6 in at 100 dpi
 
 
 # ----------------------------------------------------------------------------- results
@@ -156,6 +152,15 @@ def label_names(model: VisionTransformer) -> list[str]:
         return [str(n) for n in names]
     log.warning("the model has no label names: labels are class indices")
     return [str(i) for i in range(model.num_classes)]
+
+
+def top_k_hits(scores: torch.Tensor, targets: torch.Tensor, ks: Sequence[int] = (1, 5)) -> list[torch.Tensor]:
+    """Per k, a bool per row: is the target among the row's k highest scores (k capped at the number of classes)?
+
+    The one top-k accuracy of training's validation and of evaluate.
+    """
+    ranked = scores.topk(min(max(ks), scores.shape[1]), dim=1).indices == targets[:, None]
+    return [ranked[:, :k].any(dim=1) for k in ks]
 
 
 def _prepare_model(model: ModelLike, arch: Optional[str], img_size) -> tuple[VisionTransformer, Optional[str]]:
@@ -323,9 +328,7 @@ def _metrics(y: np.ndarray, logp: torch.Tensor, classes: list[str]) -> dict:
     target = torch.as_tensor(y, dtype=torch.long)
     pred = logp.argmax(dim=1).numpy()
     loss = float(-logp.gather(1, target[:, None]).mean())
-    top5 = None
-    if k > 5:
-        top5 = float((logp.topk(5, dim=1).indices == target[:, None]).any(dim=1).float().mean())
+    top1_hits, top5_hits = top_k_hits(logp, target)
     confusion = np.bincount(y * k + pred, minlength=k * k).reshape(k, k)
     tp = np.diag(confusion).astype(float)
     support = confusion.sum(axis=1)
@@ -348,8 +351,8 @@ def _metrics(y: np.ndarray, logp: torch.Tensor, classes: list[str]) -> dict:
     confused = [{"true": classes[i], "predicted": classes[j], "count": c, "fraction_of_true": c / int(support[i])}
                 for c, i, j in pairs[:N_CONFUSED_PAIRS]]
     return {
-        "accuracy": float((pred == y).mean()),
-        "top5": top5,
+        "accuracy": float(top1_hits.float().mean()),
+        "top5": float(top5_hits.float().mean()) if k > 5 else None,
         "loss": loss,
         "macro_f1": float(f1s[present].mean()),
         "weighted_f1": float((f1s * support).sum() / n),
@@ -474,62 +477,12 @@ def write_report(report: EvalReport, folder: Union[str, os.PathLike],
                                  printable(row["predicted_label"]), f"{row['confidence']:.6f}"])
 
     atomic_write(folder / "predictions.csv", write_csv)
-    _save_figure(_confusion_figure(report), folder / "confusion_matrix.png")
-    _save_figure(_mistakes_figure(report.predictions, heatmaps=heatmaps), folder / "mistakes.png")
+    save_png(confusion_figure(report), folder / "confusion_matrix.png")
+    save_png(mistakes_figure(report.predictions, heatmaps=heatmaps), folder / "mistakes.png")
     text = json.dumps(printable_tree(report.to_dict()), indent=2) + "\n"
     atomic_write(folder / "report.json", lambda tmp: tmp.write_text(text, encoding="utf-8"))
     report.output = folder
     return folder
-
-
-def _save_figure(fig, path: Path) -> None:
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100, pil_kwargs={"compress_level": 3}))
-
-
-def _confusion_figure(report: EvalReport):
-    from matplotlib.figure import Figure  # the object API renders with Agg and leaves pyplot's backend alone
-
-    cm = np.asarray(report.confusion, dtype=float)
-    k = len(report.classes)
-    rows = cm.sum(axis=1, keepdims=True)
-    norm = np.divide(cm, rows, out=np.zeros_like(cm), where=rows > 0)
-    side = min(40.0, max(5.0, 0.45 * k + 2.5))
-    fig = Figure(figsize=(side + 1.2, side), layout="constrained")
-    ax = fig.add_subplot()
-    image = ax.imshow(norm, cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
-    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="fraction of the true class")
-    if k <= 100:
-        names = [printable(c) for c in report.classes]
-        ax.set_xticks(range(k), names, rotation=45 if k <= 20 else 90, ha="right" if k <= 20 else "center",
-                      fontsize=10 if k <= 20 else 6)
-        ax.set_yticks(range(k), names, fontsize=10 if k <= 20 else 6)
-    if k <= 25:
-        for i in range(k):
-            for j in range(k):
-                if cm[i, j]:
-                    ax.text(j, i, f"{norm[i, j]:.2f}\n({int(cm[i, j])})", ha="center", va="center", fontsize=8,
-                            color="white" if norm[i, j] > 0.5 else "black")
-    ax.set_xlabel("predicted class")
-    ax.set_ylabel("true class")
-    ax.set_title(f"confusion matrix (row-normalised), {report.num_images} images, "
-                 f"top-1 {100 * report.accuracy:.1f}%")
-    return fig
-
-
-def _thumbnail(path: str, side: int) -> np.ndarray:
-    import cv2
-
-    image = load_rgb(path, max_short_side=side)
-    h, w = image.shape[:2]
-    scale = side / max(h, w)
-    return cv2.resize(image, (max(1, round(w * scale)), max(1, round(h * scale))),
-                      interpolation=cv2.INTER_AREA if scale < 1 else cv2.INTER_LINEAR)
-
-
-def _shown_mistakes(predictions: list[dict], n: int = N_MISTAKES) -> list[dict]:
-    """The mistakes mistakes.png shows: the n most confident."""
-    wrong = [p for p in predictions if p["true_label"] != p["predicted_label"]]
-    return sorted(wrong, key=lambda p: -p["confidence"])[:n]
 
 
 def _mistake_heatmaps(model: VisionTransformer, predictions: list[dict], method: str, device: torch.device,
@@ -537,53 +490,11 @@ def _mistake_heatmaps(model: VisionTransformer, predictions: list[dict], method:
     """Heat maps (explain.py's `method`) of the images mistakes.png shows, by path."""
     from .explain import explain
 
-    shown = [p["path"] for p in _shown_mistakes(predictions)]
+    shown = [p["path"] for p in shown_mistakes(predictions)]
     if not shown:
         return {}
     results = explain(model, shown, method=method, device=str(device), precision=precision)
     return {r.path: r.heatmap for r in results if r.heatmap is not None}
-
-
-def _with_heatmap(thumb: np.ndarray, heatmap: np.ndarray) -> np.ndarray:
-    import cv2
-
-    from .explain import overlay
-
-    return overlay(thumb, cv2.resize(heatmap, (thumb.shape[1], thumb.shape[0]), interpolation=cv2.INTER_AREA))
-
-
-def _mistakes_figure(predictions: list[dict], n: int = N_MISTAKES,
-                     heatmaps: Optional[dict[str, np.ndarray]] = None):
-    from matplotlib.figure import Figure
-
-    wrong = _shown_mistakes(predictions, n)
-    if not wrong:
-        fig = Figure(figsize=(4, 2))
-        fig.text(0.5, 0.5, "no mistakes", ha="center", va="center", fontsize=14)
-        return fig
-    cols = min(4, len(wrong))
-    rows = math.ceil(len(wrong) / cols)
-    cell, gap, top = 2.6, 0.65, 0.45  # inches: image side, room for a three-line title, room for the suptitle
-    width, height = cols * cell + (cols - 1) * 0.2 + 0.2, rows * cell + rows * gap + top + 0.1
-    fig = Figure(figsize=(width, height))
-    fig.subplots_adjust(left=0.1 / width, right=1 - 0.1 / width, bottom=0.1 / height,
-                        top=1 - (top + gap) / height, wspace=0.2 / cell, hspace=gap / cell)
-    for i, p in enumerate(wrong):
-        ax = fig.add_subplot(rows, cols, i + 1)
-        try:
-            thumb = _thumbnail(p["path"], THUMB_PX)
-            if heatmaps and p["path"] in heatmaps:
-                thumb = _with_heatmap(thumb, heatmaps[p["path"]])
-            ax.imshow(thumb, interpolation="nearest")  # pre-sized: cheap to draw
-        except Exception:  # noqa: BLE001 - the file changed since: show the labels anyway
-            ax.text(0.5, 0.5, "(unreadable)", ha="center", va="center")
-        name = printable(Path(p["path"]).name)
-        name = name if len(name) <= 30 else "..." + name[-27:]
-        ax.set_title(printable(f"true: {p['true_label']}\npred: {p['predicted_label']} ({100 * p['confidence']:.0f}%)"
-                               f"\n{name}"), fontsize=9)
-        ax.axis("off")
-    fig.suptitle("most confident mistakes", y=1 - 0.1 / height, va="top")
-    return fig
 
 
 # ----------------------------------------------------------------------------- predict
@@ -675,177 +586,3 @@ def write_predictions(rows: Iterable[Prediction], file: IO[str], fmt: str, top_k
             file.write(json.dumps(printable_tree(row.to_dict())) + "\n")
         file.flush()
     return good, bad
-
-
-# ----------------------------------------------------------------------------- command line
-
-
-def _check_model_arg(model: str, arch: Optional[str], pretrained: bool) -> None:
-    """Clear errors for a missing path, and for a timm name given without --pretrained."""
-    ref = parse_ref(model)
-    if ref.kind in (RefKind.FOLDER, RefKind.FILE, RefKind.HUB, RefKind.LOCAL_DIR) or (arch and pretrained):
-        return
-    if ref.kind is RefKind.MISSING_PATH and not arch:
-        raise VitftError(f"model {model} not found; pass a run or model folder, a weights file with --model ARCH, "
-                         f"hf-hub:org/repo, or a timm name with --pretrained")
-    if not arch and not pretrained:
-        raise VitftError(f"{model} is not a file or folder; to use the pretrained weights of the timm model "
-                         f"{model}, add --pretrained")
-
-
-def default_output(model: str) -> Path:
-    """The run folder for a local model folder, else ./eval-<model name>."""
-    if model.startswith("local-dir:"):
-        return Path(model[len("local-dir:"):]).expanduser()
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    if path.is_file():
-        name = path.stem
-    else:
-        name = model.removeprefix("hf-hub:").split("@")[0].rstrip("/").split("/")[-1]
-    return Path("eval-" + (re.sub(r"[^\w.-]+", "-", name).strip("-") or "model"))
-
-
-class _ProgressBar:
-    """A rich progress bar on stderr, shown only on a terminal and for at least `min_total` images."""
-
-    def __init__(self, description: str, min_total: int = 128, enabled: bool = True):
-        from rich.console import Console
-
-        self.console = Console(stderr=True)
-        self.description, self.min_total = description, min_total
-        self.enabled = enabled and self.console.is_terminal
-        self._progress = self._task = None
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled or total < self.min_total:
-            return
-        if self._progress is None:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                      TimeRemainingColumn(), console=self.console, transient=True,
-                                      redirect_stdout=False, redirect_stderr=False)
-            self._progress.start()
-            self._task = self._progress.add_task(self.description, total=total)
-        self._progress.update(self._task, completed=done)
-
-    def __enter__(self) -> _ProgressBar:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-
-
-def print_report(report: EvalReport, console=None) -> None:
-    """The report as rich tables on a terminal, as plain aligned text when piped."""
-    from rich import box
-    from rich.console import Console
-    from rich.markup import escape as rich_escape
-    from rich.table import Table
-
-    def escape(text: str) -> str:  # rich markup escaped, undecodable file name bytes as \xNN
-        return rich_escape(printable(text))
-
-    console = console or Console()
-    style = box.SIMPLE_HEAD if console.is_terminal else None
-    data = report.data
-    console.print(f"evaluated {escape(str(report.model['source'] or report.model['architecture']))} on "
-                  f"{escape(data['root'])} (split: {data['split']}, layout: {escape(data['layout'])}): "
-                  f"{report.num_images} images", highlight=False, soft_wrap=True)
-    summary = Table.grid(padding=(0, 2))
-    summary.add_column()
-    summary.add_column(justify="right")
-    summary.add_row("top-1 accuracy", f"{100 * report.accuracy:.1f}%")
-    if report.top5 is not None:
-        summary.add_row("top-5 accuracy", f"{100 * report.top5:.1f}%")
-    summary.add_row("loss", f"{report.loss:.4f}")
-    summary.add_row("macro F1", f"{report.macro_f1:.3f}")
-    summary.add_row("weighted F1", f"{report.weighted_f1:.3f}")
-    summary.add_row("images/s", f"{report.images_per_s:.1f}")
-    console.print(summary, highlight=False)
-
-    per_class = Table(title="per class", box=style, title_justify="left", highlight=False)
-    per_class.add_column("class")
-    for col in ("precision", "recall", "F1", "support"):
-        per_class.add_column(col, justify="right")
-    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    for name, row in report.per_class.items():
-        per_class.add_row(escape(name), fmt(row["precision"]), fmt(row["recall"]), fmt(row["f1"]),
-                          str(row["support"]))
-    console.print()
-    console.print(per_class)
-    if report.confused_pairs:
-        pairs = Table(title="most confused (true -> predicted)", box=style, title_justify="left", highlight=False)
-        for col in ("true", "predicted", "count", "% of true"):
-            pairs.add_column(col, justify="right" if col in ("count", "% of true") else "left")
-        for p in report.confused_pairs[:5]:
-            pairs.add_row(escape(p["true"]), escape(p["predicted"]), str(p["count"]),
-                          f"{100 * p['fraction_of_true']:.1f}%")
-        console.print()
-        console.print(pairs)
-    if report.absent_classes:
-        console.print(f"\nmodel classes not in the data (support 0): {escape(', '.join(report.absent_classes))}",
-                      highlight=False, soft_wrap=True)
-    if report.skipped:
-        console.print(f"\n{len(report.skipped)} file(s) skipped (not readable images): "
-                      f"{escape(', '.join(report.skipped[:3]))}" + (" ..." if len(report.skipped) > 3 else ""),
-                      highlight=False, soft_wrap=True)
-    if report.output is not None:
-        console.print(f"\nwrote report.json, predictions.csv, confusion_matrix.png, mistakes.png to "
-                      f"{escape(str(report.output))}", highlight=False, soft_wrap=True)
-
-
-def evaluate_command(model: str, data: str, split: Optional[str] = None, arch: Optional[str] = None,
-                     pretrained: bool = False, img_size: Optional[int] = None, tta: bool = False,
-                     batch_size: int = 64, workers: Optional[int] = None, device: str = "auto",
-                     precision: str = "fp32", output: Optional[str] = None, val_split: Optional[float] = None,
-                     seed: Optional[int] = None, explain: Optional[str] = None) -> EvalReport:
-    """`vitft evaluate`: evaluate, write the files, print the report."""
-    _check_model_arg(model, arch, pretrained)
-    out = Path(output).expanduser() if output else default_output(model)
-    with _ProgressBar("evaluating") as bar:
-        report = evaluate(model, data, split=split, img_size=img_size, tta=tta, batch_size=batch_size,
-                          workers=workers, device=device, precision=precision, output=out, arch=arch, progress=bar,
-                          val_split=val_split, seed=seed, explain=explain)
-    print_report(report)
-    return report
-
-
-def predict_command(model: str, inputs: list[str], arch: Optional[str] = None, pretrained: bool = False,
-                    top_k: int = 3, fmt: Optional[str] = None, output: Optional[str] = None,
-                    batch_size: int = 64, workers: Optional[int] = None, device: str = "auto",
-                    precision: str = "fp32", img_size: Optional[int] = None, tta: bool = False) -> None:
-    """`vitft predict`: stream rows to --output (written atomically) or stdout; warn about unreadable files."""
-    from rich.console import Console
-    from rich.markup import escape
-
-    _check_model_arg(model, arch, pretrained)
-    if not inputs:
-        raise VitftError("give at least one image file, folder or glob to predict")
-    suffix = Path(output).suffix.lower() if output else ""
-    fmt = (fmt or ("jsonl" if suffix in (".jsonl", ".json", ".ndjson") else "csv")).lower()
-    if fmt not in ("csv", "jsonl"):
-        raise VitftError(f"unknown --format {fmt!r}; use csv or jsonl")
-    err = Console(stderr=True)
-    # a bar on a terminal only when the rows do not go to that same terminal
-    with _ProgressBar("predicting", enabled=bool(output) or not sys.stdout.isatty()) as bar:
-        rows = predict(model, inputs, top_k=top_k, img_size=img_size, tta=tta, batch_size=batch_size,
-                       workers=workers, device=device, precision=precision, arch=arch, progress=bar)
-        counts = []
-        if output:
-            def write(tmp: Path) -> None:
-                with open(tmp, "w", newline="", encoding="utf-8") as f:
-                    counts.append(write_predictions(rows, f, fmt, rows.top_k))
-
-            atomic_write(Path(output).expanduser(), write)
-        else:
-            counts.append(write_predictions(rows, sys.stdout, fmt, rows.top_k))
-    good, bad = counts[0]
-    if output:
-        err.print(f"wrote {good} prediction(s) to {escape(printable(str(output)))}", highlight=False, soft_wrap=True)
-    if bad:
-        err.print(f"[yellow]warning:[/] {bad} of {good + bad} file(s) could not be read; their rows have an "
-                  f"error field", highlight=False, soft_wrap=True)

@@ -36,15 +36,15 @@ from timm.data.constants import DEFAULT_CROP_PCT
 
 from .data import build_transforms, list_images, load_rgb
 from .errors import VitftError
-from .evaluate import ModelLike, ProgressFn, _check_args, _check_model_arg, _prepare_model, _ProgressBar, label_names
+from .evaluate import ModelLike, ProgressFn, _check_args, _prepare_model, label_names
 from .model import VisionTransformer
+from .plots import explanation_figure, save_png
 from .runtime import compute_context
 from .weights import atomic_write
 
 log = logging.getLogger("vitft")
 
 METHODS = ("rollout", "attention", "gradcam")
-DISPLAY_PX = 448  # longer side of each panel in the per-image PNGs
 
 
 @dataclass
@@ -205,54 +205,6 @@ def heatmap_at_image_size(grid: np.ndarray, image_hw: tuple[int, int], model_hw:
     return np.clip(out, 0.0, 1.0, out=out)
 
 
-def overlay(image: np.ndarray, heatmap: np.ndarray) -> np.ndarray:
-    """uint8 RGB image with the heat map (same height and width, in [0, 1]) blended on in 'jet' colours, more
-    opaque where hotter."""
-    from matplotlib import colormaps
-
-    colours = colormaps["jet"](heatmap)[..., :3]
-    alpha = (0.2 + 0.5 * heatmap)[..., None]
-    blended = (1 - alpha) * (image.astype(np.float32) / 255) + alpha * colours
-    return (np.clip(blended, 0, 1) * 255 + 0.5).astype(np.uint8)
-
-
-def _fit(array: np.ndarray, side: int, interpolation: int) -> np.ndarray:
-    import cv2
-
-    h, w = array.shape[:2]
-    scale = side / max(h, w)
-    if scale >= 1:
-        return array
-    return cv2.resize(array, (max(1, round(w * scale)), max(1, round(h * scale))), interpolation=interpolation)
-
-
-def _figure(image: np.ndarray, result: Explanation):
-    """The image, the image with its heat map, and the top labels underneath."""
-    import cv2
-    from matplotlib.figure import Figure  # the object API renders with Agg and leaves pyplot's backend alone
-
-    shown = _fit(image, DISPLAY_PX, cv2.INTER_AREA)
-    heat = cv2.resize(result.heatmap, (shown.shape[1], shown.shape[0]), interpolation=cv2.INTER_AREA)
-    panel_h = 4.0 * min(1.0, shown.shape[0] / shown.shape[1])
-    panel_w = panel_h * shown.shape[1] / shown.shape[0]
-    fig = Figure(figsize=(2 * panel_w + 0.4, panel_h + 1.2), layout="constrained")
-    left, right = fig.subplots(1, 2)
-    left.imshow(shown)
-    right.imshow(overlay(shown, heat))
-    name = Path(result.path).name
-    left.set_title(name if len(name) <= 40 else "..." + name[-37:], fontsize=9)
-    right.set_title(result.method + (f" for {result.target}" if result.target else ""), fontsize=9)
-    for ax in (left, right):
-        ax.axis("off")
-    fig.suptitle("   ".join(f"{label} {100 * p:.1f}%" for label, p in zip(result.labels, result.probs)),
-                 y=0.02, va="bottom", fontsize=11)
-    return fig
-
-
-def _write_png(fig, path: Path) -> None:
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100, pil_kwargs={"compress_level": 3}))
-
-
 def _figure_name(index: int, path: str) -> str:
     stem = re.sub(r"[^\w.-]+", "-", Path(path).stem).strip("-") or "image"
     return f"{index:04d}-{stem[:60]}.png"
@@ -356,7 +308,7 @@ def explain(
                         head_maps=None if head_grids is None else head_grids[i].cpu().numpy())
                     if folder is not None:
                         result.figure = folder / _figure_name(start + i, result.path)
-                        _write_png(_figure(image, result), result.figure)
+                        save_png(explanation_figure(image, result), result.figure)
                     results.append(result)
             if progress:
                 progress(min(start + batch_size, len(paths)), len(paths))
@@ -366,29 +318,4 @@ def explain(
     results.sort(key=lambda r: position[r.path])  # unreadable files were appended ahead of their batch
     if folder is not None:
         _write_index(results, folder, f"vitft explain: {method}")
-    return results
-
-
-def explain_command(model: str, images: list[str], output: str, method: str = "rollout",
-                    target: Optional[str] = None, arch: Optional[str] = None, pretrained: bool = False,
-                    top_k: int = 3, img_size: Optional[int] = None, batch_size: int = 16, device: str = "auto",
-                    precision: str = "fp32") -> list[Explanation]:
-    """`vitft explain`: write the PNGs and index.html, and say where."""
-    from rich.console import Console
-    from rich.markup import escape
-
-    _check_model_arg(model, arch, pretrained)
-    if not images:
-        raise VitftError("give at least one image file, folder or glob to explain")
-    with _ProgressBar("explaining", min_total=8) as bar:
-        results = explain(model, images, method=method, target=target, output=output, top_k=top_k,
-                          img_size=img_size, batch_size=batch_size, device=device, precision=precision, arch=arch,
-                          progress=bar)
-    bad = sum(r.error is not None for r in results)
-    err = Console(stderr=True)
-    err.print(f"wrote {len(results) - bad} heat map(s) ({method}) and index.html to "
-              f"{escape(str(Path(output).expanduser()))}", highlight=False, soft_wrap=True)
-    if bad:
-        err.print(f"[yellow]warning:[/] {bad} of {len(results)} file(s) could not be read", highlight=False,
-                  soft_wrap=True)
     return results

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import dataclasses
-import difflib
 import io
 import json
 import logging
@@ -19,12 +17,11 @@ import random
 import signal
 import shutil
 import time
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from itertools import islice
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -34,9 +31,12 @@ import torch.nn.functional as F
 from timm.data.constants import DEFAULT_CROP_PCT
 
 from .archs import get_arch
+from .config import TrainConfig
 from .data import DatasetSplits, ImageDataset, build_loader, build_transforms, find_dataset
 from .errors import VitftError
+from .evaluate import top_k_hits
 from .features import FeatureSet, extract_features
+from .progress import ProgressBar
 from .refs import RefKind, parse_ref
 from .runtime import check_precision, compute_context, resolve_device
 from .weights import atomic_write, create_model, describe_weights, save_pretrained
@@ -44,140 +44,6 @@ from .weights import atomic_write, create_model, describe_weights, save_pretrain
 log = logging.getLogger("vitft")
 
 CHECKPOINT = Path("last") / "checkpoint.pt"
-
-
-@dataclass
-class TrainConfig:
-    """Every option of a run; recipes (YAML) and CLI flags set these fields by name."""
-
-    data: str = ""
-    pretrained: Optional[str] = None  # anything create_model accepts as weights, or 'none' (random init);
-    # None: the default weights of `model` (e.g. vit_small_patch16_224.augreg_in21k_ft_in1k), else vit_b_16
-    model: Optional[str] = None  # architecture, where the weights do not imply it
-    model_kwargs: dict = field(default_factory=dict)  # architecture overrides, e.g. {'patch_size': 8}
-    img_size: Optional[int] = None  # default: the weights' input size
-    epochs: int = 10
-    batch_size: int = 64  # per process
-    accum_steps: int = 1
-    lr: float = 5e-4  # base LR per `lr_base_size` images; scaled linearly by the effective batch
-    lr_base_size: int = 512
-    min_lr: float = 1e-6
-    warmup_epochs: int = 1
-    weight_decay: float = 0.05
-    layer_decay: Optional[float] = None  # layer-wise LR decay; None = 0.75 with pretrained weights, off from scratch
-    opt: str = "adamw"
-    clip_grad: Optional[float] = 1.0
-    label_smoothing: float = 0.1
-    mixup: float = 0.0
-    cutmix: float = 0.0
-    drop_path: float = 0.1
-    ema: bool = False
-    ema_decay: float = 0.9998
-    freeze_backbone: bool = False  # linear probe: train the head (and fc_norm) only
-    unfreeze_after: Optional[int] = None  # with freeze_backbone: train everything from this epoch on
-    feature_views: int = 1  # frozen backbone: its pooled features computed once, for this many views of each
-    # image (1: un-augmented, as evaluated; N > 1: N augmented views), and the head trains on them in
-    # seconds; 0: every epoch runs the frozen backbone on freshly augmented images
-    head_lr: Optional[float] = None  # base LR while the backbone is frozen; default: lr
-    scale: tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop area range
-    ratio: tuple[float, float] = (3 / 4, 4 / 3)
-    hflip: float = 0.5
-    color_jitter: float = 0.0
-    strong_aug: bool = False
-    val_split: float = 0.1
-    cache: bool = False
-    workers: Optional[int] = None
-    precision: str = "auto"  # auto = bf16 on CUDA, fp32 elsewhere
-    compile: bool = False
-    grad_checkpointing: bool = False
-    device: str = "auto"
-    seed: int = 0
-    output: Optional[str] = None  # default runs/<date>-<model>
-    overwrite: bool = False
-    save_every: Optional[int] = None  # also checkpoint every N optimizer steps
-    tensorboard: bool = False
-    quiet: bool = False
-    push_to_hub: Optional[str] = None
-    max_steps_per_epoch: Optional[int] = None  # cap steps per epoch (smoke tests, quick looks)
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "TrainConfig":
-        """Options by name, each coerced to its field's type (YAML's '1e-3' string -> 0.001); a bad or unknown
-        key is a one-line error that names it."""
-        types = typing.get_type_hints(cls)
-        unknown = sorted(set(values) - set(types))
-        if unknown:
-            named = [k + _did_you_mean(k, types) for k in unknown]
-            raise VitftError(f"unknown option(s) {', '.join(named)}; valid: {', '.join(sorted(types))}")
-        return cls(**{k: _coerce(k, v, types[k]) for k, v in values.items()})
-
-    def to_dict(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
-
-
-def _did_you_mean(key: str, names) -> str:
-    close = difflib.get_close_matches(key, list(names), n=3, cutoff=0.6)
-    return f" (did you mean {', '.join(close)}?)" if close else ""
-
-
-_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-               dict: "a mapping of KEY: VALUE"}
-_BOOLS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
-
-
-def _coerce(key: str, value: Any, hint: Any) -> Any:
-    """`value` as a `hint` (a TrainConfig field's type), or a VitftError naming the key and the type."""
-    optional = typing.get_origin(hint) is Union and type(None) in typing.get_args(hint)
-    if optional:
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-        if value is None or (hint is not str and str(value).strip().lower() in ("none", "null")):
-            return None
-    items = typing.get_args(hint) if typing.get_origin(hint) is tuple else None
-    try:
-        if items is not None:
-            if not isinstance(value, (list, tuple)) or len(value) != len(items):
-                raise TypeError
-            return tuple(_scalar(v, t) for v, t in zip(value, items))
-        if hint is dict:
-            if not isinstance(value, dict):
-                raise TypeError
-            return dict(value)
-        return _scalar(value, hint)
-    except (TypeError, ValueError, OverflowError):
-        expected = f"a list of {len(items)} numbers" if items is not None else _TYPE_NAMES[hint]
-        raise VitftError(f"option {key!r} must be {expected}{' or null' if optional else ''}, got {value!r}") from None
-
-
-def _scalar(value: Any, kind: type) -> Any:
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, (str, int)) and str(value).strip().lower() in _BOOLS:
-            return _BOOLS[str(value).strip().lower()]
-        raise ValueError
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):  # True is an int to Python, not here
-        raise TypeError
-    if kind is int:
-        number = float(value) if isinstance(value, str) else value
-        if number != int(number):
-            raise ValueError
-        return int(number)
-    if kind is float:
-        return float(value)
-    return str(value)
-
-
-def load_recipe(path: str | Path) -> dict:
-    """A YAML recipe: a mapping of TrainConfig fields."""
-    import yaml
-
-    try:
-        values = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise VitftError(f"cannot read recipe {path}: {err}") from err
-    if not isinstance(values, dict):
-        raise VitftError(f"recipe {path} must be a mapping of option: value")
-    return {k.replace("-", "_"): v for k, v in values.items()}
 
 
 @dataclass
@@ -303,25 +169,9 @@ class Metrics:
             self._plot()
 
     def _plot(self) -> None:
-        import matplotlib
+        from .plots import curves_figure, save_png
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        epochs = [r["epoch"] for r in self.rows]
-        fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
-        ax_loss.plot(epochs, [r["train_loss"] for r in self.rows], "o-", label="train")
-        ax_loss.plot(epochs, [r["val_loss"] for r in self.rows], "o-", label="val")
-        ax_loss.set(xlabel="epoch", ylabel="loss", title="Loss")
-        ax_loss.legend()
-        ax_acc.plot(epochs, [100 * r["val_top1"] for r in self.rows], "o-", label="top-1")
-        if any(r.get("val_top5") is not None for r in self.rows):
-            ax_acc.plot(epochs, [100 * (r["val_top5"] or 0) for r in self.rows], "o-", label="top-5")
-        ax_acc.set(xlabel="epoch", ylabel="accuracy (%)", title="Validation accuracy")
-        ax_acc.legend()
-        fig.tight_layout()
-        atomic_write(self.plot_path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
-        plt.close(fig)
+        save_png(curves_figure(self.rows), self.plot_path)
 
 
 class PhasedSchedule:
@@ -605,7 +455,7 @@ class Trainer:
             f"{', torch.compile' if cfg.compile else ''}; {plan.describe()}",
             f"optimizer: {cfg.opt}, effective batch {self.effective_batch} = {cfg.batch_size} x {cfg.accum_steps} accum x "
             f"{self.ddp.world} proc; lr {self.lr:.3g} = {cfg.lr:g} x {self.effective_batch}/{cfg.lr_base_size}; "
-            f"layer decay {self.layer_decay or 'off'}; {cfg.epochs} epochs x {self.steps_per_epoch} steps, warmup {warmup}",
+            f"layer decay {self.layer_decay or 'off'}; {cfg.epochs} epoch{'s' * (cfg.epochs != 1)} x {self.steps_per_epoch} steps, warmup {warmup}",
         ]
         if self.head_epochs:
             lines.append(self._describe_head_phase())
@@ -757,12 +607,11 @@ class Trainer:
         model.eval()
         batches = self._feature_logits(model) if self._feature_phase() else self._image_logits(model)
         loss_sum = correct1 = correct5 = count = 0.0
-        k = min(5, len(self.classes))
         for logits, targets in batches:
             loss_sum += F.cross_entropy(logits.float(), targets, reduction="sum").item()
-            topk = logits.topk(k, dim=1).indices
-            correct1 += (topk[:, 0] == targets).sum().item()
-            correct5 += (topk == targets[:, None]).any(dim=1).sum().item()
+            top1, top5 = top_k_hits(logits, targets)
+            correct1 += top1.sum().item()
+            correct5 += top5.sum().item()
             count += targets.numel()
         loss_sum, correct1, correct5, count = _all_sum([loss_sum, correct1, correct5, count], self.ddp, self.device)
         if not count:
@@ -870,15 +719,6 @@ def _timed(batches, clock: list[float]):
         yield batch
 
 
-def _progress(quiet: bool, enabled: bool):
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                    TextColumn("{task.fields[info]}"), console=Console(stderr=True),
-                    disable=quiet or not enabled, transient=True)
-
-
 def _rng_state() -> dict:
     """Every RNG's state as tensors and plain numbers, so that a checkpoint loads with weights_only=True."""
     _, keys, pos, has_gauss, gauss = np.random.get_state()
@@ -964,7 +804,8 @@ def finetune(config: TrainConfig | dict | None = None, resume: Optional[str | Pa
         state = load_checkpoint(run_dir)
         cfg = _resume_config(state, options)
         if state["epoch"] >= cfg.epochs:
-            raise VitftError(f"{run_dir} already finished {state['epoch']} epochs; raise --epochs to train longer")
+            done = f"{state['epoch']} epoch{'s' if state['epoch'] != 1 else ''}"
+            raise VitftError(f"{run_dir} already finished {done}; raise --epochs to train longer")
     else:
         values = config.to_dict() if isinstance(config, TrainConfig) else dict(config or {})
         cfg = TrainConfig.from_dict({**values, **options})
@@ -992,7 +833,7 @@ def finetune(config: TrainConfig | dict | None = None, resume: Optional[str | Pa
         if state is not None:
             log.info("resuming %s at epoch %d, step %d", run_dir, trainer.epoch + 1, trainer.step_in_epoch)
     try:
-        with _progress(cfg.quiet, trainer.ddp.main) as progress:
+        with ProgressBar(enabled=not cfg.quiet and trainer.ddp.main) as progress:
             result = trainer.run(progress)
     except BaseException:
         if replaced is not None:

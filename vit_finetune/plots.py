@@ -1,0 +1,172 @@
+"""Every figure vitft draws: training curves, the confusion matrix, the mistakes grid and explain's heat maps.
+
+matplotlib's object API (`Figure`) renders with Agg and leaves pyplot and its backend alone, so a library user's
+interactive backend is never switched. matplotlib and OpenCV are imported when a figure is drawn.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+from .data import load_rgb, printable
+from .weights import atomic_write
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from .evaluate import EvalReport
+    from .explain import Explanation
+
+N_MISTAKES = 16  # images in mistakes.png
+THUMB_PX = 260  # mistakes.png cells are 2.6 in at 100 dpi
+DISPLAY_PX = 448  # longer side of each panel in explain's per-image PNGs
+
+
+def save_png(fig: Figure, path: Path) -> None:
+    """Write the figure as a PNG, atomically."""
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100, pil_kwargs={"compress_level": 3}))
+
+
+def curves_figure(rows: list[dict]) -> Figure:
+    """Training and validation loss, and validation accuracy, per epoch (metrics.csv's rows)."""
+    from matplotlib.figure import Figure
+
+    epochs = [r["epoch"] for r in rows]
+    fig = Figure(figsize=(10, 4), layout="tight")
+    ax_loss, ax_acc = fig.subplots(1, 2)
+    ax_loss.plot(epochs, [r["train_loss"] for r in rows], "o-", label="train")
+    ax_loss.plot(epochs, [r["val_loss"] for r in rows], "o-", label="val")
+    ax_loss.set(xlabel="epoch", ylabel="loss", title="Loss")
+    ax_loss.legend()
+    ax_acc.plot(epochs, [100 * r["val_top1"] for r in rows], "o-", label="top-1")
+    if any(r.get("val_top5") is not None for r in rows):
+        ax_acc.plot(epochs, [100 * (r["val_top5"] or 0) for r in rows], "o-", label="top-5")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy (%)", title="Validation accuracy")
+    ax_acc.legend()
+    return fig
+
+
+def confusion_figure(report: EvalReport) -> Figure:
+    """The row-normalised confusion matrix, with counts in the cells when there are few classes."""
+    from matplotlib.figure import Figure
+
+    cm = np.asarray(report.confusion, dtype=float)
+    k = len(report.classes)
+    rows = cm.sum(axis=1, keepdims=True)
+    norm = np.divide(cm, rows, out=np.zeros_like(cm), where=rows > 0)
+    side = min(40.0, max(5.0, 0.45 * k + 2.5))
+    fig = Figure(figsize=(side + 1.2, side), layout="constrained")
+    ax = fig.add_subplot()
+    image = ax.imshow(norm, cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="fraction of the true class")
+    if k <= 100:
+        names = [printable(c) for c in report.classes]
+        ax.set_xticks(range(k), names, rotation=45 if k <= 20 else 90, ha="right" if k <= 20 else "center",
+                      fontsize=10 if k <= 20 else 6)
+        ax.set_yticks(range(k), names, fontsize=10 if k <= 20 else 6)
+    if k <= 25:
+        for i in range(k):
+            for j in range(k):
+                if cm[i, j]:
+                    ax.text(j, i, f"{norm[i, j]:.2f}\n({int(cm[i, j])})", ha="center", va="center", fontsize=8,
+                            color="white" if norm[i, j] > 0.5 else "black")
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    ax.set_title(f"confusion matrix (row-normalised), {report.num_images} images, "
+                 f"top-1 {100 * report.accuracy:.1f}%")
+    return fig
+
+
+def shown_mistakes(predictions: list[dict], n: int = N_MISTAKES) -> list[dict]:
+    """The mistakes mistakes.png shows: the n most confident."""
+    wrong = [p for p in predictions if p["true_label"] != p["predicted_label"]]
+    return sorted(wrong, key=lambda p: -p["confidence"])[:n]
+
+
+def mistakes_figure(predictions: list[dict], n: int = N_MISTAKES,
+                    heatmaps: Optional[dict[str, np.ndarray]] = None) -> Figure:
+    """A grid of the most confident mistakes, each with its true and predicted label; `heatmaps` (image path ->
+    heat map at the image's size) are overlaid on their images."""
+    from matplotlib.figure import Figure
+
+    wrong = shown_mistakes(predictions, n)
+    if not wrong:
+        fig = Figure(figsize=(4, 2))
+        fig.text(0.5, 0.5, "no mistakes", ha="center", va="center", fontsize=14)
+        return fig
+    cols = min(4, len(wrong))
+    rows = math.ceil(len(wrong) / cols)
+    cell, gap, top = 2.6, 0.65, 0.45  # inches: image side, room for a three-line title, room for the suptitle
+    width, height = cols * cell + (cols - 1) * 0.2 + 0.2, rows * cell + rows * gap + top + 0.1
+    fig = Figure(figsize=(width, height))
+    fig.subplots_adjust(left=0.1 / width, right=1 - 0.1 / width, bottom=0.1 / height,
+                        top=1 - (top + gap) / height, wspace=0.2 / cell, hspace=gap / cell)
+    for i, p in enumerate(wrong):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        try:
+            thumb = _fit(load_rgb(p["path"], max_short_side=THUMB_PX), THUMB_PX, enlarge=True)
+            if heatmaps and p["path"] in heatmaps:
+                thumb = overlay(thumb, _resized(heatmaps[p["path"]], thumb.shape[:2]))
+            ax.imshow(thumb, interpolation="nearest")  # pre-sized: cheap to draw
+        except Exception:  # noqa: BLE001 - the file changed since: show the labels anyway
+            ax.text(0.5, 0.5, "(unreadable)", ha="center", va="center")
+        name = printable(Path(p["path"]).name)
+        name = name if len(name) <= 30 else "..." + name[-27:]
+        ax.set_title(printable(f"true: {p['true_label']}\npred: {p['predicted_label']} ({100 * p['confidence']:.0f}%)"
+                               f"\n{name}"), fontsize=9)
+        ax.axis("off")
+    fig.suptitle("most confident mistakes", y=1 - 0.1 / height, va="top")
+    return fig
+
+
+def explanation_figure(image: np.ndarray, result: Explanation) -> Figure:
+    """The image, the image with its heat map, and the top labels underneath."""
+    from matplotlib.figure import Figure
+
+    shown = _fit(image, DISPLAY_PX)
+    heat = _resized(result.heatmap, shown.shape[:2])
+    panel_h = 4.0 * min(1.0, shown.shape[0] / shown.shape[1])
+    panel_w = panel_h * shown.shape[1] / shown.shape[0]
+    fig = Figure(figsize=(2 * panel_w + 0.4, panel_h + 1.2), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    left.imshow(shown)
+    right.imshow(overlay(shown, heat))
+    name = Path(result.path).name
+    left.set_title(name if len(name) <= 40 else "..." + name[-37:], fontsize=9)
+    right.set_title(result.method + (f" for {result.target}" if result.target else ""), fontsize=9)
+    for ax in (left, right):
+        ax.axis("off")
+    fig.suptitle("   ".join(f"{label} {100 * p:.1f}%" for label, p in zip(result.labels, result.probs)),
+                 y=0.02, va="bottom", fontsize=11)
+    return fig
+
+
+def overlay(image: np.ndarray, heatmap: np.ndarray) -> np.ndarray:
+    """uint8 RGB image with the heat map (same height and width, in [0, 1]) blended on in 'jet' colours, more
+    opaque where hotter."""
+    from matplotlib import colormaps
+
+    colours = colormaps["jet"](heatmap)[..., :3]
+    alpha = (0.2 + 0.5 * heatmap)[..., None]
+    blended = (1 - alpha) * (image.astype(np.float32) / 255) + alpha * colours
+    return (np.clip(blended, 0, 1) * 255 + 0.5).astype(np.uint8)
+
+
+def _fit(image: np.ndarray, side: int, enlarge: bool = False) -> np.ndarray:
+    """The image scaled so that its longer side is `side` (a smaller image is kept as it is unless `enlarge`)."""
+    h, w = image.shape[:2]
+    scale = side / max(h, w)
+    if scale >= 1 and not enlarge:
+        return image
+    return _resized(image, (max(1, round(h * scale)), max(1, round(w * scale))))
+
+
+def _resized(array: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
+    """OpenCV resize to (height, width): area averaging to shrink, bilinear to enlarge."""
+    import cv2
+
+    shrink = hw[0] * hw[1] < array.shape[0] * array.shape[1]
+    return cv2.resize(array, (hw[1], hw[0]), interpolation=cv2.INTER_AREA if shrink else cv2.INTER_LINEAR)
