@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from vit_finetune import VitftError
-from vit_finetune.evaluate import _check_model_arg
+from vit_finetune.cli import _check_model_arg
 from vit_finetune.hub import _is_local_path, _public_weights, base_model
 from vit_finetune.refs import RefKind, parse_ref
 
