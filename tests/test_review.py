@@ -62,3 +62,21 @@ def test_onnx_export_into_a_folder_whose_name_is_not_utf8(tmp_path):
 
     export_onnx(_tiny(), tmp_path / NOT_UTF8, batch_sizes=(1,))
     assert (tmp_path / NOT_UTF8 / "model.onnx").stat().st_size > 0
+
+
+def test_export_overwrite_never_replaces_files_of_a_folder_that_is_not_an_export(tmp_path):
+    from vit_finetune import export
+    from vit_finetune.errors import VitftError
+
+    run = save_pretrained(_tiny(), tmp_path / "run")
+    project = tmp_path / "project"  # `vitft export runs/x . --overwrite` typed in a project's root
+    project.mkdir()
+    (project / "README.md").write_text("my project")
+    with pytest.raises(VitftError, match="no exported model"):
+        export(run, project, overwrite=True)
+    assert (project / "README.md").read_text() == "my project"
+    assert sorted(p.name for p in project.iterdir()) == ["README.md"]
+    out = export(run, tmp_path / "out")
+    (out / "notes.txt").write_text("kept")
+    export(run, out, overwrite=True)  # an earlier export is replaced, files of the user's own are kept
+    assert (out / "notes.txt").read_text() == "kept"
