@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from timm.data.constants import DEFAULT_CROP_PCT
 
-from .data import build_transforms, list_images, load_rgb
+from .data import build_transforms, list_images, load_rgb, printable
 from .errors import VitftError
 from .evaluate import ModelLike, ProgressFn, _check_args, _prepare_model, label_names
 from .model import VisionTransformer
@@ -213,20 +213,22 @@ def _figure_name(index: int, path: str) -> str:
 def _write_index(results: list[Explanation], folder: Path, title: str) -> Path:
     cells = []
     for r in results:
-        caption = html.escape(r.path)
+        caption = html.escape(printable(r.path))
         if r.error is not None:
             cells.append(f'<figure class="error"><figcaption>{caption}<br>could not be read: '
-                         f'{html.escape(r.error)}</figcaption></figure>')
+                         f'{html.escape(printable(r.error))}</figcaption></figure>')
             continue
-        labels = "<br>".join(f"{html.escape(label)} {100 * p:.1f}%" for label, p in zip(r.labels, r.probs))
+        labels = "<br>".join(f"{html.escape(printable(label))} {100 * p:.1f}%"
+                             for label, p in zip(r.labels, r.probs))
         src = html.escape(r.figure.name, quote=True)
         cells.append(f'<figure><a href="{src}"><img src="{src}" loading="lazy"></a>'
                      f'<figcaption>{caption}<br>{labels}</figcaption></figure>')
-    page = (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title><style>"
+    title = html.escape(printable(title))
+    page = (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title><style>"
             "body{font-family:sans-serif;margin:1em}main{display:flex;flex-wrap:wrap;gap:1em}"
             "figure{margin:0;width:420px}img{width:100%}figcaption{font-size:13px;word-break:break-all}"
             ".error{color:#a00}</style></head>\n"
-            f"<body><h1>{html.escape(title)}</h1><main>\n" + "\n".join(cells) + "\n</main></body></html>\n")
+            f"<body><h1>{title}</h1><main>\n" + "\n".join(cells) + "\n</main></body></html>\n")
     index = folder / "index.html"
     atomic_write(index, lambda tmp: tmp.write_text(page, encoding="utf-8"))
     return index

@@ -477,6 +477,11 @@ def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwri
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise VitftError(f"{out} already exists and is not empty; pass --overwrite to replace the exported files "
                          "in it, or pick another folder")
+    replaced = [name for name in EXPORT_FILES if (out / name).exists()]
+    if replaced and not all((out / name).is_file() for name in ("config.json", "model.safetensors")):
+        # a folder without an earlier export (a project's root, a data folder): its README.md is the user's own
+        raise VitftError(f"{out} holds {', '.join(replaced)} but no exported model (config.json + model.safetensors): "
+                         "--overwrite only replaces an earlier export's files; pick another folder")
     from .weights import load_model, plain_permissions, save_pretrained
 
     info = _run_info(run)

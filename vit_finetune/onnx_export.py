@@ -110,7 +110,8 @@ def max_logit_difference(model: torch.nn.Module, path: Path, batch_sizes: Sequen
     import onnxruntime as ort
     import torch
 
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    # the model's bytes, not its path: onnxruntime takes UTF-8 paths only (a run folder's name may have other bytes)
+    session = ort.InferenceSession(Path(path).read_bytes(), providers=["CPUExecutionProvider"])
     channels, (h, w) = model.patch_embed.proj.in_channels, model.patch_embed.img_size
     generator = torch.Generator().manual_seed(seed)
     worst = 0.0

@@ -134,12 +134,12 @@ def explanation_figure(image: np.ndarray, result: Explanation) -> Figure:
     left, right = fig.subplots(1, 2)
     left.imshow(shown)
     right.imshow(overlay(shown, heat))
-    name = Path(result.path).name
+    name = printable(Path(result.path).name)  # file and class names may hold bytes that are not UTF-8
     left.set_title(name if len(name) <= 40 else "..." + name[-37:], fontsize=9)
-    right.set_title(result.method + (f" for {result.target}" if result.target else ""), fontsize=9)
+    right.set_title(result.method + (f" for {printable(result.target)}" if result.target else ""), fontsize=9)
     for ax in (left, right):
         ax.axis("off")
-    fig.suptitle("   ".join(f"{label} {100 * p:.1f}%" for label, p in zip(result.labels, result.probs)),
+    fig.suptitle("   ".join(f"{printable(label)} {100 * p:.1f}%" for label, p in zip(result.labels, result.probs)),
                  y=0.02, va="bottom", fontsize=11)
     return fig
 

@@ -318,7 +318,7 @@ def _default_arg(name: str):
 # ---- reading checkpoints -----------------------------------------------------------------------
 def _checkpoint_keys(path: Path) -> list[str]:
     """The tensor names in a checkpoint (a .safetensors file's header only)."""
-    if path.suffix == ".safetensors":
+    if path.suffix == ".safetensors" and _utf8(path):  # safetensors opens UTF-8 paths only
         from safetensors import safe_open
 
         try:
@@ -329,14 +329,24 @@ def _checkpoint_keys(path: Path) -> list[str]:
     return list(read_state_dict(path))
 
 
+def _utf8(path: Path) -> bool:
+    """Whether `path` is valid UTF-8 (on Linux, names with other bytes come back as surrogate characters)."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """Tensors from a .safetensors or torch checkpoint, unwrapped from training wrappers."""
     path = Path(path)
     try:
         if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
+            from safetensors.torch import load, load_file
 
-            state = load_file(str(path))
+            # safetensors takes UTF-8 paths only; a name with other bytes (a surrogate here) is read by Python
+            state = load_file(str(path)) if _utf8(path) else load(path.read_bytes())
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any parse failure means the same thing to the user
@@ -546,9 +556,9 @@ def _write_temp(path: Path, write: Callable[[Path], None]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
-    plain_permissions(Path(tmp))  # mkstemp makes 0600
     try:
         write(Path(tmp))
+        plain_permissions(Path(tmp))  # mkstemp makes 0600, and so does a writer that replaces tmp (safetensors)
         with open(tmp, "rb+") as f:  # on disk before the rename: a crash leaves the old file, not an empty one
             os.fsync(f.fileno())
     except BaseException:
