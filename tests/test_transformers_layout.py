@@ -282,3 +282,20 @@ def test_finetune_first_lines_say_what_was_loaded(tmp_path):
     assert lines[:3] == describe_weights(create_model(str(folder), pretrained=True, num_classes=2))
     assert "head: new, 2 classes" in lines[1] and "position embedding 4x4 -> 3x3" in lines[1]
     assert lines[2].startswith("preprocessing: 24x24")
+
+
+@pytest.mark.parametrize("kind, processor", [
+    ("ViTForImageClassification", "ViTImageProcessor"),
+    ("DeiTForImageClassification", "DeiTImageProcessor"),
+    ("Dinov2Model", "BitImageProcessor"),
+], ids=["vit", "deit", "dinov2"])
+def test_no_preprocessor_config_means_the_processor_classs_defaults(tmp_path, kind, processor):
+    """Saved without preprocessor_config.json, a checkpoint is preprocessed as transformers' own processor
+    class would do it by default: its mean, std and resample, not ImageNet's (a review found ImageNet's)."""
+    folder = save(hf_model(kind), tmp_path / "hf", processor=None)
+    cfg = create_model(f"local-dir:{folder}", pretrained=True).pretrained_cfg
+    defaults = getattr(transformers, processor)()
+    resample = {2: "bilinear", 3: "bicubic"}[int(defaults.resample)]
+    assert tuple(cfg["mean"]) == pytest.approx(tuple(defaults.image_mean))
+    assert tuple(cfg["std"]) == pytest.approx(tuple(defaults.image_std))
+    assert cfg["interpolation"] == resample

@@ -33,6 +33,22 @@ _FAMILIES = {"vit": r"^vit_[a-z]+_patch\d+_(224|384)$", "deit": r"^vit_[a-z]+_pa
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                 "quick_gelu": "quick_gelu", "silu": "silu", "swish": "silu"}
 _RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic"}  # PIL's resample codes
+_HALF = [0.5, 0.5, 0.5]  # transformers' IMAGENET_STANDARD_MEAN and _STD
+
+
+def _default_preprocessor(layout: str, image_size: tuple[int, int]) -> dict:
+    """For a checkpoint saved without preprocessor_config.json: the mean, std, resample and crop of the image
+    processor class transformers pairs with `layout` (ViTImageProcessor, DeiTImageProcessor, BitImageProcessor
+    for DINOv2), at the checkpoint's own image size."""
+    h, w = image_size
+    size = {"height": h, "width": w}
+    if layout == "vit":  # a squash to the input size
+        return {"image_mean": _HALF, "image_std": _HALF, "resample": 2, "size": size}
+    if layout == "deit":  # resize to 256/224 of the input size, then a centre crop
+        return {"image_mean": _HALF, "image_std": _HALF, "resample": 3, "do_center_crop": True,
+                "size": {"height": h * 256 // 224, "width": w * 256 // 224}, "crop_size": size}
+    return {"image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+            "resample": 3, "size": {"shortest_edge": min(h, w)}, "do_center_crop": True, "crop_size": size}
 _MODEL_DEFAULTS = {name: p.default for name, p in inspect.signature(VisionTransformer.__init__).parameters.items()}
 _PREFIXES = ("vit.", "deit.", "dinov2.")
 _PATCH_KEY = "embeddings.patch_embeddings.projection.weight"
@@ -188,7 +204,9 @@ def source_args(config: dict, preprocessor: Optional[dict], origin: str) -> tupl
     layout = check_layout(config.get("model_type"), class_name, origin)
     kwargs = model_kwargs(config)
     image_size = _pair(config.get("image_size", 224))
-    cfg, input_size = _preprocessing(preprocessor or {}, image_size)
+    # a saved preprocessor config overrides its processor class's defaults, key by key, as in transformers
+    cfg, input_size = _preprocessing({**_default_preprocessor(layout, image_size), **(preprocessor or {})},
+                                     image_size)
     kwargs["img_size"] = input_size
     arch, model_args = closest_arch(layout, kwargs)
     cfg.update(input_size=(3, *input_size), num_classes=0)
