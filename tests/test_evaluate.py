@@ -363,3 +363,13 @@ def test_evaluate_val_split_option(own_run, eval_data, run_dir, tmp_path):
     expected = find_dataset(eval_data, 0.5, 1).val
     assert report["data"]["split"] == "val" and report["num_images"] == len(expected) == 24
     assert evaluate(str(run_dir), eval_data, workers=0).data["split"] == "all"  # no run config: whole folder
+
+
+def test_predict_fails_when_no_file_is_an_image(run_dir, tmp_path):
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "a.jpg").write_text("not an image")
+    (junk / "b.png").write_bytes(b"")
+    result = invoke("predict", run_dir, junk, "--workers", 0, "--output", tmp_path / "p.csv")
+    assert result.exit_code == 1 and "none of the 2 file(s) could be read" in result.output
+    assert (tmp_path / "p.csv").read_text().count("\n") == 3  # the header, then one error row per file

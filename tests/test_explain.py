@@ -235,6 +235,10 @@ def test_cli_writes_one_png_per_image_and_the_index(tmp_path):
     assert "wrote 3 heat map(s) (gradcam) and index.html" in result.output
     bad = invoke("explain", folder, images, "--output", tmp_path / "out2", "--method", "nope")
     assert bad.exit_code == 1 and "unknown --method 'nope'" in bad.output
+    junk = tmp_path / "junk.jpg"
+    junk.write_text("not an image")
+    none = invoke("explain", folder, junk, "--output", tmp_path / "out3")  # nothing to show is a failure
+    assert none.exit_code == 1 and "none of the 1 file(s) could be read" in none.output
 
 
 def test_evaluate_explain_overlays_the_mistakes(tmp_path):

@@ -375,6 +375,8 @@ def test_local_weights_paths_stay_private(tiny_model_dir, tmp_path):
     for name in ("README.md", "config.json"):
         text = (out / name).read_text()
         assert "private" not in text and "weights/" not in text, name
+    card = (out / "README.md").read_text()  # private, but not random: the card must not claim a from-scratch run
+    assert "local pretrained weights" in card and "random init" not in card and "from scratch" not in card
     exported = json.loads((out / "config.json").read_text())["vitft"]["train"]
     assert exported == {"model": "vit_tiny_patch16_224", "epochs": 3}  # no path, no bookkeeping
     assert base_model(train) is None

@@ -514,7 +514,9 @@ def test_two_process_ddp_trains_the_head_on_cached_features(two_classes, tiny_mo
                      "--val-split", "0.2", "--epochs", "3", "--batch-size", "4", "--freeze-backbone",
                      "--unfreeze-after", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "pooled features of 20 images" in proc.stdout + proc.stderr  # 16 + 4, split over the two ranks
+    output = proc.stdout + proc.stderr
+    assert "pooled features of 20 images" in output  # 16 + 4, split over the two ranks
+    assert output.count("unfreezing the backbone") == 1 and output.count("epochs done") == 1  # rank 0 alone
     rows = _rows(out)
     assert [r["val_images"] for r in rows] == ["4", "4", "4"]
 
@@ -523,3 +525,21 @@ def _quiet_progress():
     from vit_finetune.progress import ProgressBar
 
     return ProgressBar(enabled=False)
+
+
+def test_head_phase_checkpoints_at_most_once_a_minute_and_at_its_end(two_classes, tiny_model_dir, tmp_path,
+                                                                    monkeypatch):
+    from vit_finetune import train
+
+    saved = []
+    monkeypatch.setattr(train.Trainer, "save_checkpoint", lambda self: saved.append(self.epoch))
+    cfg = TrainConfig(data=str(two_classes), pretrained=str(tiny_model_dir), freeze_backbone=True, val_split=0.2,
+                      **dict(TINIEST, epochs=4))
+    with _quiet_progress() as progress:
+        Trainer(cfg, tmp_path / "a").run(progress)
+    assert saved == [4]  # epochs of a second or less: only the last one is checkpointed
+    saved.clear()
+    monkeypatch.setattr(train, "CHECKPOINT_INTERVAL_S", -1)  # as if each epoch took over a minute
+    with _quiet_progress() as progress:
+        Trainer(cfg, tmp_path / "b").run(progress)
+    assert saved == [1, 2, 3, 4]

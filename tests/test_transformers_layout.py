@@ -178,13 +178,25 @@ def test_unsupported_model_type_is_one_clear_error(tmp_path):
         create_model(f"local-dir:{folder}", pretrained=True)
 
 
-def test_deit_with_teacher_is_one_clear_error(tmp_path):
-    folder = save(hf_model("DeiTForImageClassificationWithTeacher", intermediate_size=128), tmp_path / "teacher")
-    with pytest.raises(VitftError, match="DeiTForImageClassificationWithTeacher"):
-        create_model(f"local-dir:{folder}", pretrained=True)
-    with pytest.raises(VitftError, match="DeiTForImageClassificationWithTeacher"):
-        create_model("vit_tiny_patch16_224", pretrained=folder / "model.safetensors", embed_dim=64, depth=2,
-                     num_heads=2, patch_size=8, img_size=32)
+def test_deit_with_teacher_becomes_timms_distilled_deit(tmp_path):
+    """Both heads kept: the class token's as head, the distillation token's as head_dist; eval output is their
+    mean in both libraries. Through a folder, and as a bare file into the distilled architecture."""
+    ref = hf_model("DeiTForImageClassificationWithTeacher", intermediate_size=128)
+    folder = save(ref, tmp_path / "teacher")
+    x = image(32)
+    with torch.no_grad():
+        expected = ref(pixel_values=x).logits
+        model = create_model(f"local-dir:{folder}", pretrained=True).eval()
+        assert model.head_dist is not None and model.pretrained_cfg["label_names"] == LABELS
+        torch.testing.assert_close(model(x), expected, **TOL)
+        bare = create_model("deit_tiny_distilled_patch16_224", pretrained=folder / "model.safetensors",
+                            num_classes=len(LABELS), embed_dim=64, depth=2, num_heads=2, patch_size=8,
+                            img_size=32, mlp_ratio=2.0, norm_eps=1e-5).eval()
+        torch.testing.assert_close(bare(x), expected, **TOL)
+    exported = save_pretrained(model, tmp_path / "export")
+    timm_model = timm.create_model(f"local-dir:{exported}", pretrained=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(timm_model(x), expected, atol=1e-4, rtol=1e-4)
 
 
 # ---- what was loaded ---------------------------------------------------------------------------------------
@@ -282,3 +294,20 @@ def test_finetune_first_lines_say_what_was_loaded(tmp_path):
     assert lines[:3] == describe_weights(create_model(str(folder), pretrained=True, num_classes=2))
     assert "head: new, 2 classes" in lines[1] and "position embedding 4x4 -> 3x3" in lines[1]
     assert lines[2].startswith("preprocessing: 24x24")
+
+
+@pytest.mark.parametrize("kind, processor", [
+    ("ViTForImageClassification", "ViTImageProcessor"),
+    ("DeiTForImageClassification", "DeiTImageProcessor"),
+    ("Dinov2Model", "BitImageProcessor"),
+], ids=["vit", "deit", "dinov2"])
+def test_no_preprocessor_config_means_the_processor_classs_defaults(tmp_path, kind, processor):
+    """Saved without preprocessor_config.json, a checkpoint is preprocessed as transformers' own processor
+    class would do it by default: its mean, std and resample, not ImageNet's (a review found ImageNet's)."""
+    folder = save(hf_model(kind), tmp_path / "hf", processor=None)
+    cfg = create_model(f"local-dir:{folder}", pretrained=True).pretrained_cfg
+    defaults = getattr(transformers, processor)()
+    resample = {2: "bilinear", 3: "bicubic"}[int(defaults.resample)]
+    assert tuple(cfg["mean"]) == pytest.approx(tuple(defaults.image_mean))
+    assert tuple(cfg["std"]) == pytest.approx(tuple(defaults.image_std))
+    assert cfg["interpolation"] == resample

@@ -301,7 +301,8 @@ def finetune_cmd(ctx: typer.Context, recipe: Optional[Path], resume: Optional[Pa
         if recipe and "model_kwargs" in flags:
             flags["model_kwargs"] = {**config.get("model_kwargs", {}), **flags["model_kwargs"]}
         result = finetune({**config, **flags})
-    _summary(result)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one summary: rank 0's
+        _summary(result)
 
 
 finetune_cmd.__signature__ = inspect.Signature([
@@ -349,7 +350,7 @@ def _summary(result) -> None:
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold")
     table.add_column()
-    table.add_row("run folder", escape(str(result.run_dir)))
+    table.add_row("run folder", escape(_printable(result.run_dir)))
     table.add_row("epochs done", str(result.epochs_done))
     if result.best_epoch > 0:
         table.add_row("best val top-1", f"{100 * result.best_top1:.1f}% (epoch {result.best_epoch})")
@@ -365,6 +366,13 @@ def _summary(result) -> None:
         data = _run_data(result.run_dir)
         console.print(f"next: `vitft evaluate {escape(_quoted(result.run_dir))} --data "
                       f"{escape(_quoted(data) if data else 'DATA')}`", highlight=False, soft_wrap=True)
+
+
+def _printable(path) -> str:
+    """A path for the terminal: bytes that are not UTF-8 as \\xNN, never a UnicodeEncodeError."""
+    from .data import printable
+
+    return printable(str(path))
 
 
 def _quoted(path) -> str:
@@ -546,6 +554,8 @@ def predict_cmd(
     if output:
         console.print(f"wrote {good} prediction(s) to {escape(printable(str(output)))}", highlight=False,
                       soft_wrap=True)
+    if bad and not good:
+        raise VitftError(f"none of the {bad} file(s) could be read as an image; their rows have an error field")
     if bad:
         console.print(f"[yellow]warning:[/] {bad} of {good + bad} file(s) could not be read; their rows have an "
                       f"error field", highlight=False, soft_wrap=True)
@@ -581,8 +591,11 @@ def explain_cmd(
                           img_size=img_size, batch_size=batch_size, device=device, precision=precision, arch=arch,
                           progress=bar)
     bad = sum(r.error is not None for r in results)
+    if bad == len(results):
+        raise VitftError(f"none of the {bad} file(s) could be read as an image: no heat maps (index.html lists "
+                         f"them with the reason, in {_printable(Path(output).expanduser())})")
     console.print(f"wrote {len(results) - bad} heat map(s) ({method}) and index.html to "
-                  f"{escape(str(Path(output).expanduser()))}", highlight=False, soft_wrap=True)
+                  f"{escape(_printable(Path(output).expanduser()))}", highlight=False, soft_wrap=True)
     if bad:
         console.print(f"[yellow]warning:[/] {bad} of {len(results)} file(s) could not be read", highlight=False,
                       soft_wrap=True)
@@ -610,7 +623,7 @@ def export_cmd(
 
     out = export(run_dir, out_dir, dtype=dtype, overwrite=overwrite, repo_id=repo_id, dataset=dataset, onnx=onnx,
                  img_size=img_size)
-    typer.echo(f"exported {run_dir} to {out}")
+    typer.echo(f"exported {_printable(run_dir)} to {_printable(out)}")
 
 
 @command("push")

@@ -24,15 +24,32 @@ LAYOUTS = ("vit", "deit", "dinov2")
 # the transformers classes whose weights map onto a native ViT one to one
 SUPPORTED_CLASSES = {
     "vit": ("ViTModel", "ViTForImageClassification"),
-    "deit": ("DeiTModel", "DeiTForImageClassification"),
+    "deit": ("DeiTModel", "DeiTForImageClassification", "DeiTForImageClassificationWithTeacher"),
     "dinov2": ("Dinov2Model", "Dinov2ForImageClassification", "Dinov2Backbone"),
 }
 # the architectures of the table a layout may become
 _FAMILIES = {"vit": r"^vit_[a-z]+_patch\d+_(224|384)$", "deit": r"^vit_[a-z]+_patch\d+_(224|384)$",
-             "dinov2": r"^vit_[a-z]+_patch14_dinov2$"}
+             "deit_distilled": r"^deit_[a-z]+_distilled_patch\d+_(224|384)$", "dinov2": r"^vit_[a-z]+_patch14_dinov2$"}
+_TEACHER_HEADS = ("cls_classifier.", "distillation_classifier.")  # DeiTForImageClassificationWithTeacher's
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                 "quick_gelu": "quick_gelu", "silu": "silu", "swish": "silu"}
 _RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic"}  # PIL's resample codes
+_HALF = [0.5, 0.5, 0.5]  # transformers' IMAGENET_STANDARD_MEAN and _STD
+
+
+def _default_preprocessor(layout: str, image_size: tuple[int, int]) -> dict:
+    """For a checkpoint saved without preprocessor_config.json: the mean, std, resample and crop of the image
+    processor class transformers pairs with `layout` (ViTImageProcessor, DeiTImageProcessor, BitImageProcessor
+    for DINOv2), at the checkpoint's own image size."""
+    h, w = image_size
+    size = {"height": h, "width": w}
+    if layout == "vit":  # a squash to the input size
+        return {"image_mean": _HALF, "image_std": _HALF, "resample": 2, "size": size}
+    if layout == "deit":  # resize to 256/224 of the input size, then a centre crop
+        return {"image_mean": _HALF, "image_std": _HALF, "resample": 3, "do_center_crop": True,
+                "size": {"height": h * 256 // 224, "width": w * 256 // 224}, "crop_size": size}
+    return {"image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+            "resample": 3, "size": {"shortest_edge": min(h, w)}, "do_center_crop": True, "crop_size": size}
 _MODEL_DEFAULTS = {name: p.default for name, p in inspect.signature(VisionTransformer.__init__).parameters.items()}
 _PREFIXES = ("vit.", "deit.", "dinov2.")
 _PATCH_KEY = "embeddings.patch_embeddings.projection.weight"
@@ -89,10 +106,8 @@ def check_layout(model_type: Optional[str], class_name: Optional[str], origin: s
         raise VitftError(f"{origin}: transformers model_type {model_type!r}{f' ({class_name})' if class_name else ''}"
                          f" cannot be converted to a ViT; vitft converts {supported}")
     if class_name and class_name not in SUPPORTED_CLASSES[model_type]:
-        why = (" (its distillation head has no counterpart in vitft's ViT)"
-               if class_name == "DeiTForImageClassificationWithTeacher" else "")
         raise VitftError(f"{origin}: transformers {class_name} (model_type {model_type!r}) cannot be "
-                         f"converted{why}; vitft converts {supported}")
+                         f"converted; vitft converts {supported}")
     return model_type
 
 
@@ -136,7 +151,11 @@ def _preprocessing(pre: dict, image_size: tuple[int, int]) -> tuple[dict, tuple[
 
 
 def model_kwargs(config: dict) -> dict:
-    """The native ViT's hyperparameters for a transformers vit/deit/dinov2 config (no head size)."""
+    """The native ViT's hyperparameters for a transformers vit/deit/dinov2 config (no head size).
+
+    A DeiT's distillation token becomes a register token, unread, unless the checkpoint is a
+    DeiTForImageClassificationWithTeacher: then it is timm's distilled DeiT, with the second head on it.
+    """
     layout = config["model_type"]
     dim = config["hidden_size"]
     act = config.get("hidden_act", "gelu")
@@ -155,8 +174,17 @@ def model_kwargs(config: dict) -> dict:
     else:
         kwargs["mlp_ratio"] = _mlp_ratio(config.get("intermediate_size", 4 * dim), dim)
     if layout == "deit":
-        kwargs["reg_tokens"] = 1  # the distillation token
+        kwargs.update(_deit_tokens(_is_teacher_class((config.get("architectures") or [None])[0])))
     return kwargs
+
+
+def _is_teacher_class(class_name: Optional[str]) -> bool:
+    return class_name == "DeiTForImageClassificationWithTeacher"
+
+
+def _deit_tokens(distilled: bool) -> dict:
+    """Where a transformers DeiT's distillation token goes: timm's dist_token (two heads), or a register token."""
+    return {"distilled": True} if distilled else {"reg_tokens": 1}
 
 
 def _same(key: str, ours, theirs) -> bool:
@@ -188,14 +216,17 @@ def source_args(config: dict, preprocessor: Optional[dict], origin: str) -> tupl
     layout = check_layout(config.get("model_type"), class_name, origin)
     kwargs = model_kwargs(config)
     image_size = _pair(config.get("image_size", 224))
-    cfg, input_size = _preprocessing(preprocessor or {}, image_size)
+    # a saved preprocessor config overrides its processor class's defaults, key by key, as in transformers
+    cfg, input_size = _preprocessing({**_default_preprocessor(layout, image_size), **(preprocessor or {})},
+                                     image_size)
     kwargs["img_size"] = input_size
-    arch, model_args = closest_arch(layout, kwargs)
+    arch, model_args = closest_arch("deit_distilled" if kwargs.get("distilled") else layout, kwargs)
     cfg.update(input_size=(3, *input_size), num_classes=0)
     id2label = config.get("id2label") or {}
     # DINOv2's classifier reads the class token and the mean patch token, a pooling timm's ViT does not
     # have: such a checkpoint loads as its backbone (convert_state_dict reports the classifier left out)
-    if class_name and class_name.endswith("ForImageClassification") and id2label and layout != "dinov2":
+    if class_name and class_name.endswith(("ForImageClassification", "WithTeacher")) and id2label \
+            and layout != "dinov2":
         cfg.update(num_classes=len(id2label), label_names=[id2label[str(i)] for i in range(len(id2label))])
     return arch, model_args, cfg
 
@@ -205,7 +236,7 @@ def layout_args(layout: str, keys) -> dict:
     keys = {_unprefixed(k) for k in keys}
     args = {}
     if layout == "deit":
-        args["reg_tokens"] = 1
+        args.update(_deit_tokens(any(k.startswith(_TEACHER_HEADS) for k in keys)))
     if layout == "dinov2":
         args["init_values"] = 1.0  # LayerScale modules; the values come from the file
         if any(k.endswith(("mlp.weights_in.weight", "mlp.gate_proj.weight")) for k in keys):
@@ -215,8 +246,10 @@ def layout_args(layout: str, keys) -> dict:
 
 def convert_state_dict(state: dict[str, torch.Tensor], layout: str) -> tuple[dict[str, torch.Tensor], list[str]]:
     """transformers tensors -> native names, qkv fused; also the transformers keys left out, with why."""
-    if any(_unprefixed(k).startswith(("cls_classifier.", "distillation_classifier.")) for k in state):
-        check_layout("deit", "DeiTForImageClassificationWithTeacher", "checkpoint")
+    renames = _RENAMES
+    if any(_unprefixed(k).startswith(_TEACHER_HEADS) for k in state):  # timm's distilled DeiT: two heads
+        renames = [(r"^embeddings\.distillation_token$", "dist_token"), (r"^cls_classifier\.", "head."),
+                   (r"^distillation_classifier\.", "head_dist."), *_RENAMES]
     out: dict[str, torch.Tensor] = {}
     dropped: dict[str, list[str]] = {}
     parts: dict[str, dict[int, torch.Tensor]] = {}
@@ -228,7 +261,7 @@ def convert_state_dict(state: dict[str, torch.Tensor], layout: str) -> tuple[dic
         if why:
             dropped.setdefault(why, []).append(key)
             continue
-        for pattern, repl in _RENAMES:
+        for pattern, repl in renames:
             name = re.sub(pattern, repl, name)
         for pattern, repl, order in _FUSED:
             match = re.match(pattern, name)

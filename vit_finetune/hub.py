@@ -178,6 +178,17 @@ def base_model(train: dict) -> Optional[str]:
     return hub_id or None
 
 
+def _start_weights(train: dict, base: Optional[str]) -> str:
+    """The weights a run started from, for the card: a Hub link, local weights (their path stays private), or ''
+    from scratch."""
+    if base:
+        return f"[`{base}`](https://huggingface.co/{base})"
+    ref = parse_ref(train.get("pretrained"))
+    if ref.kind is RefKind.NONE:
+        return ""
+    return "local pretrained weights (their path is not published)" if ref.is_local else f"`{ref.text}`"
+
+
 def _hub_dataset(*values: Any) -> Optional[str]:
     """A Hub dataset id from an explicit value or a data root written as hf-hub:ID / hf://datasets/ID."""
     for value in values:
@@ -303,7 +314,8 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
     overrides = _architecture_args(model)
     params = sum(p.numel() for p in model.parameters()) / 1e6
     size = model.patch_embed.img_size
-    origin = f"fine-tuned from [`{base}`](https://huggingface.co/{base})" if base else "trained from scratch"
+    start = _start_weights(train, base)
+    origin = f"fine-tuned from {start}" if start else "trained from scratch"
     on = f" on {f'[`{dataset_id}`](https://huggingface.co/datasets/{dataset_id})' if dataset_id else dataset_name}" \
         if dataset_name else ""
     out = [f"# {name}\n",
@@ -313,7 +325,7 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
            "## Model details\n",
            f"- **Architecture:** `{arch}` (timm){f' with {overrides}' if overrides else ''}, "
            f"{params:.1f} M parameters",
-           f"- **Fine-tuned from:** {f'[`{base}`](https://huggingface.co/{base})' if base else 'none (random init)'}",
+           f"- **Fine-tuned from:** {start or 'none (random init)'}",
            f"- **Input size:** {size[0]} x {size[1]}" + _resized_note(info["config"], size),
            f"- **Preprocessing:** mean {_md(cfg.get('mean', '-'))}, std {_md(cfg.get('std', '-'))}, "
            f"{cfg.get('interpolation', 'bicubic')} resize, crop_pct {cfg.get('crop_pct', '-')}",

@@ -44,6 +44,7 @@ from .weights import atomic_write, create_model, describe_weights, save_pretrain
 log = logging.getLogger("vitft")
 
 CHECKPOINT = Path("last") / "checkpoint.pt"
+CHECKPOINT_INTERVAL_S = 60  # the most seconds of head-phase epochs on cached features left without a checkpoint
 
 
 @dataclass
@@ -239,6 +240,7 @@ class Trainer:
                              "needs at least two class folders")
         self.resumed = resume_state is not None
         self.features: Optional[tuple[FeatureSet, Optional[FeatureSet]]] = None  # (train, val) in the frozen phase
+        self._checkpointed = time.monotonic()  # when the last checkpoint was written (or the run started)
         if resume_state is None:
             self.model = build_model(cfg, len(self.classes))
         else:  # same architecture and hyperparameters; the weights come from the checkpoint
@@ -409,6 +411,7 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> None:
+        self._checkpointed = time.monotonic()
         if self.ddp.main:
             state = self._state()
             atomic_write(self.run_dir / CHECKPOINT, lambda tmp: torch.save(state, tmp))
@@ -648,7 +651,8 @@ class Trainer:
             while self.epoch < cfg.epochs:
                 if cfg.freeze_backbone and cfg.unfreeze_after is not None and self.epoch == cfg.unfreeze_after \
                         and self.step_in_epoch == 0:
-                    log.info("epoch %d: unfreezing the backbone", self.epoch + 1)
+                    if self.ddp.main:
+                        log.info("epoch %d: unfreezing the backbone", self.epoch + 1)
                     _set_backbone_trainable(self.model, True)
                     self._wrap()
                 t0 = time.perf_counter()
@@ -675,9 +679,10 @@ class Trainer:
                     row["ema"] = best_model is self.ema.module
                 self.epoch += 1
                 self.step_in_epoch = 0
-                # between two epochs on cached features (each a second or less) no checkpoint is written: a crash
-                # there loses those seconds, and the features are computed again on resume anyway
-                checkpoint = not (feature_phase and self.epoch < cfg.epochs and self._feature_phase())
+                # between two epochs on cached features (each a second or less) a checkpoint is written once a
+                # minute at most: a crash loses those seconds, and the features are computed again on resume anyway
+                checkpoint = not (feature_phase and self.epoch < cfg.epochs and self._feature_phase()) or \
+                    time.monotonic() - self._checkpointed > CHECKPOINT_INTERVAL_S
                 if self.ddp.main:
                     if scores["val_top1"] > self.best_top1:
                         self.best_top1, self.best_epoch = scores["val_top1"], self.epoch
