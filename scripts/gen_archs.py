@@ -14,10 +14,10 @@ import json
 from pathlib import Path
 
 import timm
-import torch
-import torch.nn as nn
 import timm.models.deit as timm_deit
 import timm.models.vision_transformer as timm_vit
+import torch
+import torch.nn as nn
 from timm.layers import GluMlp, LayerNorm, RmsNorm, SwiGLU
 
 OUT = Path(__file__).resolve().parents[1] / "vit_finetune" / "archs.json"
@@ -47,7 +47,8 @@ def _norm(spec, prefix: str) -> dict:
     if isinstance(spec, functools.partial):
         eps = spec.keywords.get("eps")
         spec = spec.func
-    name = spec if isinstance(spec, str) else {LayerNorm: "layernorm", nn.LayerNorm: "layernorm", RmsNorm: "rmsnorm"}[spec]
+    names = {LayerNorm: "layernorm", nn.LayerNorm: "layernorm", RmsNorm: "rmsnorm"}
+    name = spec if isinstance(spec, str) else names[spec]
     out = {f"{prefix}_layer": name}
     if eps is not None:
         out[f"{prefix}_eps"] = eps

@@ -71,6 +71,7 @@ def small_intel(intel_dir, tmp_path_factory) -> Path:
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A saved 6-class tiny model folder (config.json + model.safetensors) with Intel's label names."""
     import torch
+
     from vit_finetune import create_model, save_pretrained
 
     torch.manual_seed(0)

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import CLASSES, TINY, make_subset
 from PIL import Image
 from typer.testing import CliRunner
 
-from conftest import CLASSES, TINY, make_subset
 from vit_finetune import create_model, save_pretrained
 from vit_finetune.cli import app
 from vit_finetune.data import ImageDataset, build_transforms, find_dataset

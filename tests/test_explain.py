@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import TINY
 from PIL import Image
 from typer.testing import CliRunner
 
-from conftest import TINY
 from vit_finetune import create_model, evaluate, explain, save_pretrained
 from vit_finetune.cli import app
 from vit_finetune.errors import VitftError

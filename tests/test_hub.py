@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CLASSES, TINY
+from hub_server import HubServer, put_files
 from safetensors.torch import load
 
-from hub_server import HubServer, put_files
-from conftest import CLASSES, TINY
 from vit_finetune.errors import VitftError
 from vit_finetune.hub import base_model, export, resolve_token
 

@@ -18,10 +18,14 @@ pytest.importorskip("onnxruntime", reason="the ONNX export tests need the onnx e
 pytest.importorskip("onnxscript", reason="the ONNX export tests need the onnx extra: pip install 'vit-finetune[onnx]'")
 onnx = pytest.importorskip("onnx", reason="the ONNX export tests need the onnx extra: pip install 'vit-finetune[onnx]'")
 import onnxruntime as ort  # noqa: E402
-
 from conftest import CLASSES, TINY  # noqa: E402
-from vit_finetune import create_model, export, load_model  # noqa: E402
-from vit_finetune import onnx_export  # noqa: E402
+
+from vit_finetune import (  # noqa: E402
+    create_model,
+    export,
+    load_model,
+    onnx_export,  # noqa: E402
+)
 from vit_finetune.errors import VitftError  # noqa: E402
 from vit_finetune.onnx_export import export_onnx  # noqa: E402
 

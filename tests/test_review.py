@@ -6,9 +6,9 @@ import stat
 
 import numpy as np
 import pytest
+from conftest import TINY
 from PIL import Image
 
-from conftest import TINY
 from vit_finetune import create_model, load_model, save_pretrained
 
 NOT_UTF8 = os.fsdecode(b"caf\xe9 run")  # a folder name with a Latin-1 byte, as Linux hands it to Python

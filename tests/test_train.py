@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import CLASSES, TINY, make_images, make_subset
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -22,8 +23,6 @@ from vit_finetune.cli import app
 from vit_finetune.config import load_recipe
 from vit_finetune.errors import VitftError
 from vit_finetune.train import CHECKPOINT, TrainConfig, Trainer, finetune, load_checkpoint
-
-from conftest import CLASSES, TINY, make_images, make_subset
 
 REPO = Path(__file__).resolve().parents[1]
 # small and quick: a tiny pretrained-style checkpoint at 32 px, 2 epochs over 240 generated images

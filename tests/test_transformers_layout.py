@@ -280,7 +280,7 @@ def test_finetune_first_lines_say_what_was_loaded(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from vit_finetune.train import Trainer, TrainConfig
+    from vit_finetune.train import TrainConfig, Trainer
 
     _, folder = dinov2(tmp_path)
     rng = np.random.default_rng(0)

@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 import timm
 import torch
+from conftest import CLASSES, TINY
 from safetensors.torch import save_file
 
 from vit_finetune import VitftError, create_model, resize_pos_embed, save_pretrained
-
-from conftest import CLASSES, TINY
 
 TINY_ARCH = "vit_tiny_patch16_224"
 DISTILLED_ARCH = "deit_tiny_distilled_patch16_224"  # DeiT: distillation token and a second head

@@ -25,8 +25,16 @@ import torch
 import torch.nn.functional as F
 from timm.data.constants import DEFAULT_CROP_PCT, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
-from .data import (ImageDataset, build_loader, build_transforms, find_dataset, list_images, printable,
-                   printable_tree, unreadable_reason)
+from .data import (
+    ImageDataset,
+    build_loader,
+    build_transforms,
+    find_dataset,
+    list_images,
+    printable,
+    printable_tree,
+    unreadable_reason,
+)
 from .errors import VitftError
 from .model import VisionTransformer
 from .plots import confusion_figure, mistakes_figure, save_png, shown_mistakes

@@ -423,7 +423,8 @@ class VisionTransformer(nn.Module):
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         """Replace the head (and a distilled model's head_dist), freshly initialised, for `num_classes` outputs."""
         if self.head_dist is not None and global_pool not in (None, "token"):
-            raise ValueError("a distilled model's heads read the class and distillation tokens: keep global_pool='token'")
+            raise ValueError("a distilled model's heads read the class and distillation tokens: "
+                             "keep global_pool='token'")
         if global_pool is not None and global_pool != self.global_pool:
             if global_pool not in POOLS or "map" in (global_pool, self.global_pool):
                 raise ValueError(f"cannot switch pooling from {self.global_pool!r} to {global_pool!r}")

@@ -14,8 +14,8 @@ import json
 import logging
 import os
 import random
-import signal
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -454,17 +454,18 @@ class Trainer:
             *weights,
             f"data: {cfg.data} [{self.splits.layout}]: {len(self.classes)} classes, "
             f"{len(self.splits.train)} train / {len(self.splits.val)} val images (train/val per class: {per_class})",
-            f"device: {self.device}{f' x{self.ddp.world} processes' if self.ddp.enabled else ''}, precision {self.precision}"
-            f"{', torch.compile' if cfg.compile else ''}; {plan.describe()}",
-            f"optimizer: {cfg.opt}, effective batch {self.effective_batch} = {cfg.batch_size} x {cfg.accum_steps} accum x "
-            f"{self.ddp.world} proc; lr {self.lr:.3g} = {cfg.lr:g} x {self.effective_batch}/{cfg.lr_base_size}; "
-            f"layer decay {self.layer_decay or 'off'}; {cfg.epochs} epoch{'s' * (cfg.epochs != 1)} x {self.steps_per_epoch} steps, warmup {warmup}",
+            f"device: {self.device}{f' x{self.ddp.world} processes' if self.ddp.enabled else ''}, "
+            f"precision {self.precision}{', torch.compile' if cfg.compile else ''}; {plan.describe()}",
+            f"optimizer: {cfg.opt}, effective batch {self.effective_batch} = {cfg.batch_size} x {cfg.accum_steps} "
+            f"accum x {self.ddp.world} proc; lr {self.lr:.3g} = {cfg.lr:g} x {self.effective_batch}/"
+            f"{cfg.lr_base_size}; layer decay {self.layer_decay or 'off'}; {cfg.epochs} epoch"
+            f"{'s' * (cfg.epochs != 1)} x {self.steps_per_epoch} steps, warmup {warmup}",
         ]
         if self.head_epochs:
             lines.append(self._describe_head_phase())
         if getattr(self.model, "head_dist", None) is not None:
-            lines.append("distilled model (DeiT): no teacher, so both heads (head, head_dist) are trained on the labels "
-                         "through their mean, the model's output, as timm does")
+            lines.append("distilled model (DeiT): no teacher, so both heads (head, head_dist) are trained on the "
+                         "labels through their mean, the model's output, as timm does")
         return lines
 
     def _describe_head_phase(self) -> str:
@@ -797,7 +798,8 @@ def _start_run_dir(run_dir: Path) -> Optional[Path]:
     return replaced
 
 
-def finetune(config: TrainConfig | dict | None = None, resume: Optional[str | Path] = None, **options: Any) -> RunResult:
+def finetune(config: TrainConfig | dict | None = None, resume: Optional[str | Path] = None,
+             **options: Any) -> RunResult:
     """Fine-tune (or train) a ViT on an image folder; returns where the run is and how it went.
 
     `finetune(data="./intel", pretrained="vit_b_16", epochs=5)` or `finetune(resume="runs/x")`.
