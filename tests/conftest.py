@@ -78,3 +78,27 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     model = create_model("vit_tiny_patch16_224", num_classes=len(CLASSES), **TINY)
     model.pretrained_cfg["label_names"] = list(CLASSES)
     return save_pretrained(model, tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models run faster on one thread than on two contended ones (2-core CI machines): modules that run many
+    small models take it with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def invoke_cli(*args):
+    """`vitft ARGS` through typer's CliRunner, each argument as a string."""
+    import logging
+
+    from typer.testing import CliRunner
+
+    from vit_finetune.cli import app
+
+    logging.getLogger("vitft").handlers.clear()  # cli binds its handler to the first CliRunner's stderr
+    return CliRunner().invoke(app, [str(a) for a in args])

@@ -12,33 +12,21 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CLASSES, TINY, make_subset
+from conftest import CLASSES, TINY, invoke_cli, make_subset
 from PIL import Image
-from typer.testing import CliRunner
 
 from vit_finetune import create_model, save_pretrained
-from vit_finetune.cli import app
 from vit_finetune.data import ImageDataset, build_transforms, find_dataset
 from vit_finetune.errors import VitftError
 from vit_finetune.evaluate import EvalReport, Prediction, evaluate, predict
 
-runner = CliRunner()
 BOX_CHARS = "─│┃━┏┓┗┛┡┩╇╷╵"
 
 
-def invoke(*args):
-    # cli._setup_logging binds its handler to the sys.stderr of the first call; CliRunner swaps sys.stderr per call
-    logging.getLogger("vitft").handlers.clear()
-    return runner.invoke(app, [str(a) for a in args])
+invoke = invoke_cli  # `vitft ARGS`
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread than on two contended ones (2-core CI machines)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -14,16 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, invoke_cli
 from PIL import Image
-from typer.testing import CliRunner
 
 from vit_finetune import create_model, evaluate, explain, save_pretrained
-from vit_finetune.cli import app
 from vit_finetune.errors import VitftError
 from vit_finetune.explain import METHODS, attention_maps, capture_attention, crop_box
 
-runner = CliRunner()
 LABELS = ["ant", "bee", "cat", "dog"]
 GRID_HW = (4, 6)  # a 32 x 48 input at patch 8: a non-square grid
 PATCH = 9  # row 1, column 3 of the grid
@@ -34,17 +31,10 @@ MODELS = {  # every method runs on each: class token, average pooling without on
 }
 
 
-def invoke(*args):
-    logging.getLogger("vitft").handlers.clear()  # cli binds its handler to the first CliRunner's stderr
-    return runner.invoke(app, [str(a) for a in args])
+invoke = invoke_cli  # `vitft ARGS`
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny(**kwargs):

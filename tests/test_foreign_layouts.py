@@ -12,12 +12,7 @@ from vit_finetune.weights import TIMM_FILTER_LAYOUT
 SMALL = dict(depth=2, embed_dim=64, num_heads=2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _timm_model(arch: str, **kwargs) -> torch.nn.Module:

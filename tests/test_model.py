@@ -23,15 +23,7 @@ from vit_finetune.archs import _table, get_arch, list_archs
 ATOL = RTOL = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread. On a 2-core box shared with other jobs, two OpenMP threads stall on
-    each other (a tiny ViT forward measured 1.4 s with 2 threads vs 0.03 s with 1); idle, the
-    cost is at most 2x on the big matmuls."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SMALL = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=5)
 
 # ---- random weights without init cost ---------------------------------------------------------

@@ -24,12 +24,7 @@ SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, image_s
 TOL = dict(atol=1e-4, rtol=1e-4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def randomize_(model: torch.nn.Module, seed: int) -> torch.nn.Module:

@@ -23,13 +23,7 @@ TINY_ARCH = "vit_tiny_patch16_224"
 DISTILLED_ARCH = "deit_tiny_distilled_patch16_224"  # DeiT: distillation token and a second head
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: two OpenMP threads stall on each other on a busy 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def image(*size: int, batch: int = 1, seed: int = 1) -> torch.Tensor:

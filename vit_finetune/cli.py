@@ -47,9 +47,8 @@ def _plain_flags(command) -> None:
             param.metavar = param.name.upper()
 
 
-class _Command(TyperCommand):
-    """A command whose help shows flags without a type and whose usage line reads `MODEL INPUTS...`, not
-    `{model} {inputs}...`."""
+class _PlainFlags:
+    """Help that shows flags (--help included) without a type."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -60,21 +59,17 @@ class _Command(TyperCommand):
         if option is not None:
             option.metavar = ""
         return option
+
+
+class _Command(_PlainFlags, TyperCommand):
+    """A command whose usage line reads `MODEL INPUTS...`, not `{model} {inputs}...`."""
 
     def collect_usage_pieces(self, ctx) -> list[str]:
         return [re.sub(r"\{([^}]*)\}", r"\1", piece) for piece in super().collect_usage_pieces(ctx)]
 
 
-class _Group(TyperGroup):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        _plain_flags(self)
-
-    def get_help_option(self, ctx):
-        option = super().get_help_option(ctx)
-        if option is not None:
-            option.metavar = ""
-        return option
+class _Group(_PlainFlags, TyperGroup):
+    pass
 
 
 app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

@@ -184,6 +184,19 @@ def _prepare_model(model: ModelLike, arch: Optional[str], img_size) -> tuple[Vis
     return load_model(str(model), arch=arch, img_size=img_size), str(model)
 
 
+def prepare_classifier(model: ModelLike, inputs, arch: Optional[str], img_size, top_k: int, batch_size: int,
+                       device: str, precision: str, purpose: str) -> tuple[torch.device, list[Path], VisionTransformer]:
+    """(device, image paths, model) for predict and explain, every argument checked before any image is read."""
+    if top_k < 1:
+        raise VitftError(f"--top-k must be at least 1, got {top_k}")
+    dev = _check_args(batch_size, device, precision)
+    paths = list_images(inputs)
+    net, _ = _prepare_model(model, arch, img_size)
+    if net.num_classes <= 0:
+        raise VitftError(f"the model has no classifier head (num_classes=0); {purpose} needs a classifier")
+    return dev, paths, net
+
+
 def _preprocessing(model: VisionTransformer, tta: bool) -> dict:
     cfg = model.pretrained_cfg
     return {
@@ -526,13 +539,8 @@ def predict(
     Rows come in sorted path order. A file that is not a readable image, or fails to decode, gives a Prediction
     with `error` set (never an exception). Model and inputs are checked now; images are read while iterating.
     """
-    if top_k < 1:
-        raise VitftError(f"--top-k must be at least 1, got {top_k}")
-    dev = _check_args(batch_size, device, precision)
-    paths = list_images(inputs)
-    net, _ = _prepare_model(model, arch, img_size)
-    if net.num_classes <= 0:
-        raise VitftError("the model has no classifier head (num_classes=0); predict needs a classifier")
+    dev, paths, net = prepare_classifier(model, inputs, arch, img_size, top_k, batch_size, device, precision,
+                                         "predict")
     classes = label_names(net)
     k = min(top_k, len(classes))
     size = tuple(net.patch_embed.img_size)

@@ -34,9 +34,9 @@ import numpy as np
 import torch
 from timm.data.constants import DEFAULT_CROP_PCT
 
-from .data import build_transforms, list_images, load_rgb, printable
+from .data import build_transforms, load_rgb, printable
 from .errors import VitftError
-from .evaluate import ModelLike, ProgressFn, _check_args, _prepare_model, label_names
+from .evaluate import ModelLike, ProgressFn, label_names, prepare_classifier
 from .model import VisionTransformer
 from .plots import explanation_figure, save_png
 from .runtime import compute_context
@@ -260,13 +260,8 @@ def explain(
     """
     if method not in METHODS:
         raise VitftError(f"unknown --method {method!r}; use one of {', '.join(METHODS)}")
-    if top_k < 1:
-        raise VitftError(f"--top-k must be at least 1, got {top_k}")
-    dev = _check_args(batch_size, device, precision)
-    paths = list_images(images)
-    net, _ = _prepare_model(model, arch, img_size)
-    if net.num_classes <= 0:
-        raise VitftError("the model has no classifier head (num_classes=0); explain needs a classifier")
+    dev, paths, net = prepare_classifier(model, images, arch, img_size, top_k, batch_size, device, precision,
+                                         "explain")
     _check_pooling(net)
     classes = label_names(net)
     target_index = None
