@@ -35,7 +35,8 @@ def main() -> None:
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch is imported: torch reads it then
 
-    from vit_finetune.train import finetune, load_recipe
+    from vit_finetune.config import load_recipe
+    from vit_finetune.train import finetune
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = load_recipe(args.recipe)

@@ -15,7 +15,8 @@ import argparse
 import logging
 from pathlib import Path
 
-from vit_finetune.train import finetune, load_recipe
+from vit_finetune.config import load_recipe
+from vit_finetune.train import finetune
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_FLOPS_PER_IMAGE = 52.7e9  # forward + backward, ViT-B/16 at 224
