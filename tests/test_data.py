@@ -13,16 +13,13 @@ from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, OPE
 from vit_finetune.data import ImageDataset, build_loader, build_transforms, find_dataset, list_images, load_rgb
 from vit_finetune.errors import VitftError
 
-INTEL = Path(__file__).resolve().parents[1].parent / "shared/data/intel/seg_train"
 CLIP_CFG = {"mean": OPENAI_CLIP_MEAN, "std": OPENAI_CLIP_STD, "interpolation": "bicubic", "crop_pct": 1.0}
 
 
 @pytest.fixture(scope="module")
-def intel() -> dict[str, list[Path]]:
-    """The first 20 real Intel images of each class."""
-    if not INTEL.is_dir():
-        pytest.skip(f"real Intel images not found at {INTEL}")
-    return {d.name: sorted(d.glob("*.jpg"))[:20] for d in sorted(INTEL.iterdir())}
+def intel(intel_dir) -> dict[str, list[Path]]:
+    """The first 20 real Intel images of each class (skipped, saying why, where the folder is absent)."""
+    return {d.name: sorted(d.glob("*.jpg"))[:20] for d in sorted(intel_dir.iterdir())}
 
 
 def link(files: list[Path], folder: Path) -> None:
