@@ -852,6 +852,9 @@ def finetune(config: TrainConfig | dict | None = None, resume: Optional[str | Pa
         from .hub import push_run
 
         push_run(run_dir, cfg.push_to_hub)
+    if trainer.ddp.enabled:  # the ranks leave together: a rank that exits while gloo's threads still run aborts
+        dist.barrier()
+        dist.destroy_process_group()
     return result
 
 
