@@ -365,7 +365,7 @@ def _summary(result) -> None:
 
 def _printable(path) -> str:
     """A path for the terminal: bytes that are not UTF-8 as \\xNN, never a UnicodeEncodeError."""
-    from .data import printable
+    from .files import printable
 
     return printable(str(path))
 
@@ -406,7 +406,7 @@ def print_report(report, out: Optional[Console] = None) -> None:
     """An EvalReport as rich tables on a terminal, as plain aligned text when piped."""
     from rich import box
 
-    from .data import printable
+    from .files import printable
 
     def shown(text: str) -> str:  # rich markup escaped, undecodable file name bytes as \xNN
         return escape(printable(text))
@@ -520,10 +520,9 @@ def predict_cmd(
     tta: bool = typer.Option(False, "--tta", help="Average the predictions of each image and its mirror image."),
 ):
     """Predict the top-k labels of images; unreadable files become rows with an error."""
-    from .data import printable
     from .evaluate import predict, write_predictions
+    from .files import atomic_write, printable
     from .progress import ProgressBar
-    from .weights import atomic_write
 
     _check_model_arg(model, arch, pretrained)
     if not inputs:

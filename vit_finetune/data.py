@@ -135,29 +135,6 @@ def list_images(path_or_paths: str | Path | Iterable[str | Path]) -> list[Path]:
     return sorted(found)
 
 
-def printable(text: str) -> str:
-    """`text` with the bytes of a file name that are not UTF-8 written as \\xNN, as `ls -b` shows them.
-
-    Python reads such names as lone surrogates ('caf\\udce9.jpg' for the bytes b'caf\\xe9.jpg'), which no
-    UTF-8 file or terminal can take: every report, CSV, JSONL and model card writes names through this.
-    """
-    try:
-        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    except UnicodeEncodeError:  # a surrogate that is not an escaped byte (e.g. from JSON): its code point
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def printable_tree(value):
-    """`printable` applied to every string (and dict key) in nested dicts and lists, for JSON outputs."""
-    if isinstance(value, str):
-        return printable(value)
-    if isinstance(value, dict):
-        return {printable_tree(k): printable_tree(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [printable_tree(v) for v in value]
-    return value
-
-
 def _is_image(name: str) -> bool:
     return name.lower().endswith(IMAGE_SUFFIXES) and not name.startswith(".")
 

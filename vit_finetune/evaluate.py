@@ -31,16 +31,15 @@ from .data import (
     build_transforms,
     find_dataset,
     list_images,
-    printable,
-    printable_tree,
     unreadable_reason,
 )
 from .errors import VitftError
+from .files import atomic_write, printable, printable_tree
 from .model import VisionTransformer
 from .plots import confusion_figure, mistakes_figure, save_png, shown_mistakes
 from .pos_embed import _pair
 from .runtime import check_precision, compute_context, resolve_device
-from .weights import atomic_write, describe_weights, load_model
+from .weights import describe_weights, load_model
 
 log = logging.getLogger("vitft")
 

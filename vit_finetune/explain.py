@@ -34,13 +34,13 @@ import numpy as np
 import torch
 from timm.data.constants import DEFAULT_CROP_PCT
 
-from .data import build_transforms, load_rgb, printable
+from .data import build_transforms, load_rgb
 from .errors import VitftError
 from .evaluate import ModelLike, ProgressFn, label_names, prepare_classifier
+from .files import atomic_write, printable
 from .model import VisionTransformer
 from .plots import explanation_figure, save_png
 from .runtime import compute_context
-from .weights import atomic_write
 
 log = logging.getLogger("vitft")
 

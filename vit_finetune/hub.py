@@ -282,7 +282,7 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
     """
     from huggingface_hub import ModelCard, ModelCardData
 
-    from .data import printable
+    from .files import printable
 
     run = _check_run(run_dir)
     info = _run_info(run)
@@ -494,7 +494,8 @@ def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwri
         # a folder without an earlier export (a project's root, a data folder): its README.md is the user's own
         raise VitftError(f"{out} holds {', '.join(replaced)} but no exported model (config.json + model.safetensors): "
                          "--overwrite only replaces an earlier export's files; pick another folder")
-    from .weights import load_model, plain_permissions, save_pretrained
+    from .files import plain_permissions
+    from .weights import load_model, save_pretrained
 
     info = _run_info(run)
     _check_img_size(info["config"], img_size)

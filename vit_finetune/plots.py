@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from .data import load_rgb, printable
-from .weights import atomic_write
+from .data import load_rgb
+from .files import atomic_write, printable
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

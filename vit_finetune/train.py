@@ -36,10 +36,11 @@ from .data import DatasetSplits, ImageDataset, build_loader, build_transforms, f
 from .errors import VitftError
 from .evaluate import top_k_hits
 from .features import FeatureSet, extract_features
+from .files import atomic_write
 from .progress import ProgressBar
 from .refs import RefKind, parse_ref
 from .runtime import check_precision, compute_context, resolve_device
-from .weights import atomic_write, create_model, describe_weights, save_pretrained
+from .weights import create_model, describe_weights, save_pretrained
 
 log = logging.getLogger("vitft")
 

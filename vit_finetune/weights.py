@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -25,6 +24,7 @@ from timm.data.constants import DEFAULT_CROP_PCT, IMAGENET_DEFAULT_MEAN, IMAGENE
 from . import convert
 from .archs import get_arch, split_name
 from .errors import VitftError
+from .files import write_temp
 from .model import VisionTransformer
 from .pos_embed import resize_pos_embed
 from .refs import ModelRef, RefKind, parse_ref
@@ -537,46 +537,6 @@ def load_weights(model: VisionTransformer, path: Path, cfg: Optional[dict] = Non
 
 
 # ---- writing model folders ------------------------------------------------------------------------
-def plain_permissions(path: Path) -> None:
-    """The modes open() / mkdir() would give, for a file, or a folder and the files in it, made private
-    (0600 / 0700) by mkstemp / mkdtemp."""
-    mask = os.umask(0)  # the only way to read the umask is to set it
-    os.umask(mask)
-    if path.is_dir():
-        path.chmod(0o777 & ~mask)
-        for item in path.iterdir():
-            item.chmod(0o666 & ~mask)
-    else:
-        path.chmod(0o666 & ~mask)
-
-
-def _write_temp(path: Path, write: Callable[[Path], None]) -> Path:
-    """Run `write(tmp)` on a temporary file next to `path` and flush it to disk; returns tmp (removed on error)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        plain_permissions(Path(tmp))  # mkstemp makes 0600, and so does a writer that replaces tmp (safetensors)
-        with open(tmp, "rb+") as f:  # on disk before the rename: a crash leaves the old file, not an empty one
-            os.fsync(f.fileno())
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return Path(tmp)
-
-
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Run `write(tmp)` then rename over `path`: readers never see a half-written file."""
-    tmp = _write_temp(path, write)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def model_config(model: VisionTransformer, extra: Optional[dict] = None) -> dict:
     """timm's config.json layout for `model` (what `timm.create_model('local-dir:...')` reads)."""
     cfg = dict(model.pretrained_cfg)
@@ -621,10 +581,10 @@ def save_pretrained(model: VisionTransformer, folder: Union[str, Path], extra_co
     state = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).detach().cpu().contiguous()
              for k, v in model.state_dict().items()}
     text = json.dumps(model_config(model, extra_config), indent=2) + "\n"
-    weights = _write_temp(folder / "model.safetensors",
+    weights = write_temp(folder / "model.safetensors",
                           lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
     try:
-        config = _write_temp(folder / "config.json", lambda tmp: tmp.write_text(text))
+        config = write_temp(folder / "config.json", lambda tmp: tmp.write_text(text))
         try:
             os.replace(config, folder / "config.json")
         finally:
