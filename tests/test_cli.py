@@ -13,7 +13,7 @@ from conftest import make_images
 from typer.testing import CliRunner
 
 from vit_finetune import __version__
-from vit_finetune.cli import FINETUNE_OPTIONS, _summary, app
+from vit_finetune.cli import _summary, app
 from vit_finetune.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,12 +64,17 @@ def test_every_option_of_every_command_has_help():
     for name, cmd in group.commands.items():
         for param in cmd.params:
             assert getattr(param, "help", None), f"vitft {name} {param.name} has no help"
-    assert {o.field for o in FINETUNE_OPTIONS} <= set(TrainConfig.__dataclass_fields__)
+
+
+def test_finetune_options_are_the_train_config_fields_with_a_panel():
+    options = {p.name for p in typer.main.get_command(app).commands["finetune"].params} - {"recipe", "resume"}
+    assert options == {f.name for f in TrainConfig.options()}
+    assert "min_lr" not in options and "lr" in options  # a recipe key only, and an option
 
 
 def test_every_boolean_a_recipe_sets_has_an_off_switch():
     options = {p.name: p for p in typer.main.get_command(app).commands["finetune"].params}
-    booleans = [o.field for o in FINETUNE_OPTIONS if isinstance(getattr(TrainConfig(), o.field), bool)]
+    booleans = [o.name for o in TrainConfig.options() if isinstance(getattr(TrainConfig(), o.name), bool)]
     assert {"cache", "compile", "freeze_backbone", "strong_aug", "grad_checkpointing", "tensorboard", "quiet",
             "overwrite", "ema"} <= set(booleans)
     for field in booleans:

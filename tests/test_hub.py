@@ -398,14 +398,13 @@ def test_report_json_round_trips_through_eval_report(tmp_path):
         EvalReport.load(tmp_path / "report.json")
 
 
-def test_not_hyperparameters_are_train_config_fields():
-    import dataclasses
-
-    from vit_finetune.hub import _NOT_HYPERPARAMETERS
+def test_the_card_lists_the_recipe_not_the_machine(tiny_model_dir, tmp_path):
+    from vit_finetune.hub import _hyperparameters
     from vit_finetune.train import TrainConfig
 
-    assert _NOT_HYPERPARAMETERS <= {f.name for f in dataclasses.fields(TrainConfig)}
-    assert "max_steps_per_epoch" in _NOT_HYPERPARAMETERS
+    listed = _hyperparameters(TrainConfig(data="x", workers=2, device="cpu", epochs=3, lr=1e-3).to_dict())
+    assert listed["epochs"] == 3 and listed["lr"] == 1e-3 and listed["min_lr"] == 1e-6
+    assert not {"data", "workers", "device", "max_steps_per_epoch", "output", "quiet"} & set(listed)
 
 
 def test_never_evaluated_run_has_its_validation_top1_in_the_model_index(tiny_model_dir, tmp_path):

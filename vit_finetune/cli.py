@@ -14,7 +14,6 @@ import os
 import re
 import sys
 import typing
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
@@ -26,7 +25,7 @@ from rich.table import Table
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from . import __version__
-from .config import TrainConfig
+from .config import DEVICE_HELP, TrainConfig
 from .errors import VitftError
 
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
@@ -34,7 +33,6 @@ console = Console(stderr=True)
 
 # where a model comes from, as evaluate, predict and explain take it
 MODEL_HELP = "Run or model folder, weights file (with --model), hf-hub:org/repo, or a timm name (with --pretrained)."
-DEVICE_HELP = "auto, cpu, cuda or mps."
 PRECISION_HELP = "fp32, bf16 or fp16."
 
 
@@ -175,88 +173,21 @@ def _size(hw) -> str:
 
 # Commands for finetune/demo, evaluate/predict and export/push are registered below.
 # <finetune-commands>
-DATA, MODEL, OPTIMISATION, AUGMENTATION, RUNTIME, OUTPUT = (
-    "Data", "Model", "Optimisation", "Augmentation", "Runtime", "Output")
-
-
-@dataclass(frozen=True)
-class FinetuneOption:
-    """One `vitft finetune` option: a TrainConfig field, its help panel and help. The type and default come from
-    TrainConfig; `default` describes a default of None (what the run does then)."""
-
-    field: str
-    panel: str
-    help: str
-    default: Optional[str] = None
-    metavar: Optional[str] = None
-
-
-FINETUNE_OPTIONS = (
-    FinetuneOption("data", DATA, "Image folder: class folders, train/ + val/, or the Intel layout.", metavar="DIR"),
-    FinetuneOption("val_split", DATA, "Validation fraction for a single folder of classes."),
-    FinetuneOption("cache", DATA, "Decode every image once and keep it in memory."),
-    FinetuneOption("workers", DATA, "DataLoader worker processes.",
-                   "chosen with torch's threads from the work and the cores; the start-up lines say which"),
-    FinetuneOption("pretrained", MODEL, "Weights: vit_b_16, arch.tag, hf-hub:org/repo, a folder or file, or 'none' "
-                   "(random initialisation).", "--model's default weights, else vit_b_16", metavar="WEIGHTS"),
-    FinetuneOption("model", MODEL, "Architecture, where the weights do not imply it.", metavar="ARCH"),
-    FinetuneOption("model_kwargs", MODEL, "Architecture override KEY=VALUE (repeatable), e.g. patch_size=8.",
-                   metavar="KEY=VALUE"),
-    FinetuneOption("img_size", MODEL, "Training resolution (position embedding resized).", "the weights'"),
-    FinetuneOption("drop_path", MODEL, "Stochastic depth rate."),
-    FinetuneOption("epochs", OPTIMISATION, "Training epochs."),
-    FinetuneOption("batch_size", OPTIMISATION, "Images per step per process."),
-    FinetuneOption("accum_steps", OPTIMISATION, "Gradient accumulation steps (effective batch = batch x steps)."),
-    FinetuneOption("lr", OPTIMISATION, f"Base learning rate per {TrainConfig.lr_base_size} images, scaled by the "
-                   "effective batch."),
-    FinetuneOption("weight_decay", OPTIMISATION, "AdamW weight decay."),
-    FinetuneOption("layer_decay", OPTIMISATION, "Layer-wise learning-rate decay (1 = off).",
-                   "0.75 with pretrained weights, off from scratch"),
-    FinetuneOption("warmup_epochs", OPTIMISATION, "Linear warmup epochs."),
-    FinetuneOption("clip_grad", OPTIMISATION, "Gradient norm clip (0 = off)."),
-    FinetuneOption("label_smoothing", OPTIMISATION, "Label smoothing of the cross-entropy loss (0 = off)."),
-    FinetuneOption("ema", OPTIMISATION, "Keep an EMA of the weights; it is saved when it validates better."),
-    FinetuneOption("freeze_backbone", OPTIMISATION, "Linear probe: train the head only."),
-    FinetuneOption("unfreeze_after", OPTIMISATION, "With --freeze-backbone: train everything from this epoch.",
-                   "never"),
-    FinetuneOption("feature_views", OPTIMISATION, "With --freeze-backbone: compute the pooled features once, for N "
-                   "views of each image (1: un-augmented; 0: recompute every epoch), and train the head on them."),
-    FinetuneOption("head_lr", OPTIMISATION, "Base learning rate while the backbone is frozen.", "--lr"),
-    FinetuneOption("max_steps_per_epoch", OPTIMISATION, "Cap the optimizer steps per epoch (quick looks, smoke "
-                   "tests).", "no cap"),
-    FinetuneOption("seed", OPTIMISATION, "Random seed (data split, initialisation, augmentation)."),
-    FinetuneOption("mixup", AUGMENTATION, "Mixup alpha (0 = off)."),
-    FinetuneOption("cutmix", AUGMENTATION, "CutMix alpha (0 = off)."),
-    FinetuneOption("color_jitter", AUGMENTATION, "Colour jitter strength (0 = off)."),
-    FinetuneOption("strong_aug", AUGMENTATION, "TrivialAugment-like policy + random erasing."),
-    FinetuneOption("device", RUNTIME, DEVICE_HELP),
-    FinetuneOption("precision", RUNTIME, "bf16, fp16, fp32 or auto (bf16 on CUDA, fp32 elsewhere)."),
-    FinetuneOption("compile", RUNTIME, "torch.compile the model."),
-    FinetuneOption("grad_checkpointing", RUNTIME, "Trade compute for memory: recompute activations in backward."),
-    FinetuneOption("output", OUTPUT, "Run folder.", "runs/<date>-<model>", metavar="DIR"),
-    FinetuneOption("overwrite", OUTPUT, "Replace an existing run folder."),
-    FinetuneOption("save_every", OUTPUT, "Also checkpoint every N optimizer steps.", "at every epoch end only"),
-    FinetuneOption("tensorboard", OUTPUT, "Write TensorBoard logs to the run folder."),
-    FinetuneOption("push_to_hub", OUTPUT, "Push the best model to this Hub repo when training ends.",
-                   metavar="REPO"),
-    FinetuneOption("quiet", OUTPUT, "Log lines only, no progress bars."),
-)
-
-
-def _finetune_parameter(option: FinetuneOption) -> inspect.Parameter:
-    """The Typer parameter of an option: its type and default from TrainConfig, `--x/--no-x` for a boolean."""
-    hint = typing.get_type_hints(TrainConfig)[option.field]
-    default = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == option.field)
-    dashed = "--" + option.field.replace("_", "-")
-    extra: dict[str, Any] = {"metavar": option.metavar}
-    if option.field == "model_kwargs":
+def _finetune_parameter(option: dataclasses.Field) -> inspect.Parameter:
+    """The Typer parameter of a TrainConfig option: its type, default, panel and help from the field, `--x/--no-x`
+    for a boolean."""
+    hint = typing.get_type_hints(TrainConfig)[option.name]
+    default = option.default
+    dashed = "--" + option.name.replace("_", "-")
+    extra: dict[str, Any] = {"metavar": option.metadata["metavar"]}
+    if option.name == "model_kwargs":
         hint, default = Optional[list[str]], None
     elif hint is bool:
         dashed = f"{dashed}/--no-{dashed[2:]}"
     elif default is None:
-        extra["show_default"] = option.default
-    info = typer.Option(dashed, help=option.help, rich_help_panel=option.panel, **extra)
-    return inspect.Parameter(option.field, inspect.Parameter.KEYWORD_ONLY, default=default,
+        extra["show_default"] = option.metadata["when_none"]
+    info = typer.Option(dashed, help=option.metadata["help"], rich_help_panel=option.metadata["panel"], **extra)
+    return inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=default,
                              annotation=Annotated[hint, info])
 
 
@@ -308,7 +239,7 @@ finetune_cmd.__signature__ = inspect.Signature([
     inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
         Optional[Path], typer.Option(help="Continue the run in this folder (needs no other option; options given "
                                      "change it).", metavar="RUN")]),
-    *(_finetune_parameter(option) for option in FINETUNE_OPTIONS),
+    *(_finetune_parameter(option) for option in TrainConfig.options()),
 ])
 command("finetune")(finetune_cmd)
 

@@ -7,64 +7,112 @@ import difflib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from .errors import VitftError
+
+DATA, MODEL, OPTIMISATION, AUGMENTATION, RUNTIME, OUTPUT = (
+    "Data", "Model", "Optimisation", "Augmentation", "Runtime", "Output")
+DEVICE_HELP = "auto, cpu, cuda or mps."
+
+
+def option(default: Any = dataclasses.MISSING, *, help: str, panel: Optional[str] = None,
+           when_none: Optional[str] = None, metavar: Optional[str] = None, hyperparameter: bool = True,
+           factory: Optional[Callable[[], Any]] = None) -> Any:
+    """A TrainConfig field and what is said of it, in one place: `vitft finetune --help` shows it in `panel` (None:
+    a recipe key only), `when_none` says what a default of None does, and the model card lists it among the
+    hyperparameters unless it is about the machine or the bookkeeping (`hyperparameter=False`)."""
+    metadata = {"help": help, "panel": panel, "when_none": when_none, "metavar": metavar,
+                "hyperparameter": hyperparameter}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class TrainConfig:
     """Every option of a run; recipes (YAML) and CLI flags set these fields by name."""
 
-    data: str = ""
-    pretrained: Optional[str] = None  # anything create_model accepts as weights, or 'none' (random init);
-    # None: the default weights of `model` (e.g. vit_small_patch16_224.augreg_in21k_ft_in1k), else vit_b_16
-    model: Optional[str] = None  # architecture, where the weights do not imply it
-    model_kwargs: dict = field(default_factory=dict)  # architecture overrides, e.g. {'patch_size': 8}
-    img_size: Optional[int] = None  # default: the weights' input size
-    epochs: int = 10
-    batch_size: int = 64  # per process
-    accum_steps: int = 1
-    lr: float = 5e-4  # base LR per `lr_base_size` images; scaled linearly by the effective batch
-    lr_base_size: int = 512
-    min_lr: float = 1e-6
-    warmup_epochs: int = 1
-    weight_decay: float = 0.05
-    layer_decay: Optional[float] = None  # layer-wise LR decay; None = 0.75 with pretrained weights, off from scratch
-    opt: str = "adamw"
-    clip_grad: Optional[float] = 1.0
-    label_smoothing: float = 0.1
-    mixup: float = 0.0
-    cutmix: float = 0.0
-    drop_path: float = 0.1
-    ema: bool = False
-    ema_decay: float = 0.9998
-    freeze_backbone: bool = False  # linear probe: train the head (and fc_norm) only
-    unfreeze_after: Optional[int] = None  # with freeze_backbone: train everything from this epoch on
-    feature_views: int = 1  # frozen backbone: its pooled features computed once, for this many views of each
-    # image (1: un-augmented, as evaluated; N > 1: N augmented views), and the head trains on them in
-    # seconds; 0: every epoch runs the frozen backbone on freshly augmented images
-    head_lr: Optional[float] = None  # base LR while the backbone is frozen; default: lr
-    scale: tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop area range
-    ratio: tuple[float, float] = (3 / 4, 4 / 3)
-    hflip: float = 0.5
-    color_jitter: float = 0.0
-    strong_aug: bool = False
-    val_split: float = 0.1
-    cache: bool = False
-    workers: Optional[int] = None
-    precision: str = "auto"  # auto = bf16 on CUDA, fp32 elsewhere
-    compile: bool = False
-    grad_checkpointing: bool = False
-    device: str = "auto"
-    seed: int = 0
-    output: Optional[str] = None  # default runs/<date>-<model>
-    overwrite: bool = False
-    save_every: Optional[int] = None  # also checkpoint every N optimizer steps
-    tensorboard: bool = False
-    quiet: bool = False
-    push_to_hub: Optional[str] = None
-    max_steps_per_epoch: Optional[int] = None  # cap steps per epoch (smoke tests, quick looks)
+    data: str = option("", panel=DATA, help="Image folder: class folders, train/ + val/, or the Intel layout.",
+                       metavar="DIR", hyperparameter=False)
+    val_split: float = option(0.1, panel=DATA, help="Validation fraction for a single folder of classes.")
+    cache: bool = option(False, panel=DATA, help="Decode every image once and keep it in memory.",
+                         hyperparameter=False)
+    workers: Optional[int] = option(None, panel=DATA, help="DataLoader worker processes.",
+                                    when_none="chosen with torch's threads from the work and the cores; the "
+                                    "start-up lines say which", hyperparameter=False)
+    pretrained: Optional[str] = option(
+        None, panel=MODEL, metavar="WEIGHTS", when_none="--model's default weights, else vit_b_16",
+        help="Weights: vit_b_16, arch.tag, hf-hub:org/repo, a folder or file, or 'none' (random initialisation).")
+    model: Optional[str] = option(None, panel=MODEL, metavar="ARCH",
+                                  help="Architecture, where the weights do not imply it.")
+    model_kwargs: dict = option(factory=dict, panel=MODEL, metavar="KEY=VALUE",
+                                help="Architecture override KEY=VALUE (repeatable), e.g. patch_size=8.")
+    img_size: Optional[int] = option(None, panel=MODEL, when_none="the weights'",
+                                     help="Training resolution (position embedding resized).")
+    drop_path: float = option(0.1, panel=MODEL, help="Stochastic depth rate.")
+    epochs: int = option(10, panel=OPTIMISATION, help="Training epochs.")
+    batch_size: int = option(64, panel=OPTIMISATION, help="Images per step per process.")
+    accum_steps: int = option(1, panel=OPTIMISATION,
+                              help="Gradient accumulation steps (effective batch = batch x steps).")
+    lr_base_size: int = option(512, help="The batch size that --lr is given for.")
+    lr: float = option(5e-4, panel=OPTIMISATION,
+                       help="Base learning rate per 512 images (lr_base_size), scaled by the effective batch.")
+    min_lr: float = option(1e-6, help="The learning rate the cosine schedule ends at.")
+    weight_decay: float = option(0.05, panel=OPTIMISATION, help="AdamW weight decay.")
+    layer_decay: Optional[float] = option(None, panel=OPTIMISATION, help="Layer-wise learning-rate decay (1 = off).",
+                                          when_none="0.75 with pretrained weights, off from scratch")
+    warmup_epochs: int = option(1, panel=OPTIMISATION, help="Linear warmup epochs.")
+    opt: str = option("adamw", help="Optimizer, by timm's name (create_optimizer_v2).")
+    clip_grad: Optional[float] = option(1.0, panel=OPTIMISATION, help="Gradient norm clip (0 = off).")
+    label_smoothing: float = option(0.1, panel=OPTIMISATION,
+                                    help="Label smoothing of the cross-entropy loss (0 = off).")
+    ema: bool = option(False, panel=OPTIMISATION,
+                       help="Keep an EMA of the weights; it is saved when it validates better.")
+    ema_decay: float = option(0.9998, help="Decay of the weights' EMA.")
+    freeze_backbone: bool = option(False, panel=OPTIMISATION, help="Linear probe: train the head only.")
+    unfreeze_after: Optional[int] = option(None, panel=OPTIMISATION, when_none="never",
+                                           help="With --freeze-backbone: train everything from this epoch.")
+    feature_views: int = option(1, panel=OPTIMISATION, help="With --freeze-backbone: compute the pooled features "
+                                "once, for N views of each image (1: un-augmented; 0: recompute every epoch), and "
+                                "train the head on them.")
+    head_lr: Optional[float] = option(None, panel=OPTIMISATION, when_none="--lr",
+                                      help="Base learning rate while the backbone is frozen.")
+    max_steps_per_epoch: Optional[int] = option(None, panel=OPTIMISATION, when_none="no cap", hyperparameter=False,
+                                                help="Cap the optimizer steps per epoch (quick looks, smoke tests).")
+    seed: int = option(0, panel=OPTIMISATION, help="Random seed (data split, initialisation, augmentation).")
+    mixup: float = option(0.0, panel=AUGMENTATION, help="Mixup alpha (0 = off).")
+    cutmix: float = option(0.0, panel=AUGMENTATION, help="CutMix alpha (0 = off).")
+    scale: tuple[float, float] = option((0.08, 1.0), help="RandomResizedCrop's range of areas.")
+    ratio: tuple[float, float] = option((3 / 4, 4 / 3), help="RandomResizedCrop's range of aspect ratios.")
+    hflip: float = option(0.5, help="Probability of a horizontal flip.")
+    color_jitter: float = option(0.0, panel=AUGMENTATION, help="Colour jitter strength (0 = off).")
+    strong_aug: bool = option(False, panel=AUGMENTATION, help="TrivialAugment-like policy + random erasing.")
+    device: str = option("auto", panel=RUNTIME, help=DEVICE_HELP, hyperparameter=False)
+    precision: str = option("auto", panel=RUNTIME, help="bf16, fp16, fp32 or auto (bf16 on CUDA, fp32 elsewhere).")
+    compile: bool = option(False, panel=RUNTIME, help="torch.compile the model.", hyperparameter=False)
+    grad_checkpointing: bool = option(False, panel=RUNTIME, hyperparameter=False,
+                                      help="Trade compute for memory: recompute activations in backward.")
+    output: Optional[str] = option(None, panel=OUTPUT, help="Run folder.", when_none="runs/<date>-<model>",
+                                   metavar="DIR", hyperparameter=False)
+    overwrite: bool = option(False, panel=OUTPUT, help="Replace an existing run folder.", hyperparameter=False)
+    save_every: Optional[int] = option(None, panel=OUTPUT, help="Also checkpoint every N optimizer steps.",
+                                       when_none="at every epoch end only", hyperparameter=False)
+    tensorboard: bool = option(False, panel=OUTPUT, help="Write TensorBoard logs to the run folder.",
+                               hyperparameter=False)
+    push_to_hub: Optional[str] = option(None, panel=OUTPUT, metavar="REPO", hyperparameter=False,
+                                        help="Push the best model to this Hub repo when training ends.")
+    quiet: bool = option(False, panel=OUTPUT, help="Log lines only, no progress bars.", hyperparameter=False)
+
+    @classmethod
+    def options(cls) -> list[dataclasses.Field]:
+        """The fields that are command-line options, in the order `--help` shows them."""
+        return [f for f in dataclasses.fields(cls) if f.metadata.get("panel")]
+
+    @classmethod
+    def hyperparameters(cls) -> set[str]:
+        """The fields that describe the training recipe (the model card lists them), not the machine or the files."""
+        return {f.name for f in dataclasses.fields(cls) if f.metadata.get("hyperparameter", True)}
 
     @classmethod
     def from_dict(cls, values: dict) -> "TrainConfig":

@@ -37,9 +37,6 @@ EXPORT_FILES = ("config.json", "model.safetensors", "README.md", *CARD_IMAGES, *
 DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16", "half": "float16",
           "bf16": "bfloat16", "bfloat16": "bfloat16"}
 TAGS = ["image-classification", "timm", "vitft", "vision-transformer"]
-# TrainConfig fields about the machine or the run's bookkeeping, not the recipe: kept out of the card
-_NOT_HYPERPARAMETERS = {"data", "output", "overwrite", "cache", "workers", "device", "quiet", "tensorboard",
-                        "save_every", "push_to_hub", "compile", "grad_checkpointing", "max_steps_per_epoch"}
 # TrainConfig fields that name weights or an architecture: public only as a Hub id or a timm name, never a path
 _WEIGHT_NAMES = ("pretrained", "model")
 _SPLIT_NAMES = {"train", "val", "valid", "validation", "test", "seg_train", "seg_test", "seg_pred", "images", "data"}
@@ -143,9 +140,12 @@ def _public_weights(value: Any) -> bool:
 
 def _hyperparameters(train: dict) -> dict:
     """The recipe part of the training config: no machine settings, no local paths."""
+    from .config import TrainConfig
+
+    recipe_keys = TrainConfig.hyperparameters()
     out = {}
     for key, value in train.items():
-        if key in _NOT_HYPERPARAMETERS or value is None or _is_local_path(value) or (
+        if key not in recipe_keys or value is None or _is_local_path(value) or (
                 key in _WEIGHT_NAMES and not _public_weights(value)):
             continue
         if isinstance(value, (str, int, float, bool)) or (
