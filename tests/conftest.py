@@ -1,27 +1,109 @@
-"""Shared fixtures: generated class images, the real Intel images (skipped when absent) and small model
-folders."""
+"""Shared fixtures: generated class images, the real Intel images and DINOv2 weights (skipped when absent), small
+model folders; the CPU pin for every test, the gpu marker, and CI's refusal of skips it must never see."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+from vit_finetune.runtime import DEVICE_ENV
 
-INTEL = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "intel" / "seg_train"
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+# Every test runs on the CPU, whatever the machine has: `--device auto` resolves to $VITFT_DEVICE, which the
+# subprocesses tests start (CLI runs, torchrun ranks) inherit. Tests marked gpu unset it for themselves.
+os.environ[DEVICE_ENV] = "cpu"
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"  # real data and weights, next to the checkout: CI always has them
+INTEL = SHARED / "data" / "intel" / "seg_train"
+DINOV2 = SHARED / "weights" / "dinov2-vits14"  # timm Hub folder of a DINOv2 ViT-S/14 (its SOURCE.md says whence)
 CLASSES = ["buildings", "forest", "glacier", "mountain", "sea", "street"]
 # a tiny ViT (depth 2, width 64) at 32 px: fast enough for many CPU tests
 TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2)
+# set by .ci/run: a skip for want of ../shared or of a package of the [test] extra fails the run
+REQUIRE_ENV = "VITFT_REQUIRE_SHARED"
+
+
+def shared_path(path: Path, what: str) -> Path:
+    """`path` under ../shared, or a skip that names it (a skip CI turns into a failure)."""
+    if not path.exists():
+        pytest.skip(f"{what} not found at {path} (CI always has them)")
+    return path
 
 
 @pytest.fixture(scope="session")
 def intel_dir() -> Path:
-    if not INTEL.is_dir():
-        pytest.skip(f"real Intel images not found at {INTEL} (CI always has them)")
-    return INTEL
+    return shared_path(INTEL, "real Intel images")
+
+
+@pytest.fixture(scope="session")
+def dinov2_dir() -> Path:
+    return shared_path(DINOV2, "real DINOv2 ViT-S/14 weights")
+
+
+@pytest.fixture(autouse=True)
+def _gpu_tests_leave_the_cpu(request, monkeypatch):
+    """Tests marked gpu skip, saying why, without CUDA; with it they run where `--device auto` points."""
+    if request.node.get_closest_marker("gpu") is None:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU, and there is none here")
+    monkeypatch.delenv(DEVICE_ENV)
+
+
+# ---- CI: skips that mean the set-up is broken -----------------------------------------------------------
+_REFUSED_SKIPS: list[str] = []
+
+
+def _test_extra() -> set[str]:
+    """Import names of the packages in the installed project's [test] extra."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        declared = requires("vit-finetune") or []
+    except PackageNotFoundError as err:
+        raise pytest.UsageError(f"{REQUIRE_ENV}=1 needs the project installed: pip install -e '.[test]'") from err
+    return {re.match(r"[\w.-]+", r).group().lower().replace("-", "_")
+            for r in declared if re.search(r"""extra\s*==\s*["']test["']""", r)}
+
+
+def refused_skip(reason: str, test_extra: set[str]) -> bool:
+    """A skip for want of ../shared, or of a package of the [test] extra (importorskip names its module)."""
+    return str(SHARED) in reason or any(re.search(rf"\b{re.escape(name)}\b", reason) for name in test_extra)
+
+
+def _note_skip(report) -> None:
+    if os.environ.get(REQUIRE_ENV) != "1" or not report.skipped or hasattr(report, "wasxfail"):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if refused_skip(reason, _test_extra()):
+        _REFUSED_SKIPS.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_collectreport(report) -> None:  # a module-level importorskip
+    _note_skip(report)
+
+
+def pytest_runtest_logreport(report) -> None:  # a fixture's or a test's own skip
+    _note_skip(report)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if _REFUSED_SKIPS and exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _REFUSED_SKIPS:
+        terminalreporter.section(f"skips {REQUIRE_ENV}=1 refuses (CI has ../shared and the [test] extra)", red=True)
+        for line in _REFUSED_SKIPS:
+            terminalreporter.line(line)
 
 
 def make_subset(src: Path, dst: Path, per_class: int, classes=CLASSES) -> Path:

@@ -191,9 +191,11 @@ def test_load_rgb_converts_to_rgb(odd_images, name, left, right):
     assert np.abs(image[5, 17].astype(int) - right).max() <= 2
 
 
-@pytest.mark.parametrize("name", ["truncated.jpg", "empty.jpg", "text.jpg"])
-def test_load_rgb_raises_on_broken_files(odd_images, name):
-    with pytest.raises(OSError):
+@pytest.mark.parametrize("name, message", [("truncated.jpg", r"image file is truncated"),
+                                           ("empty.jpg", r"cannot identify image file .*empty\.jpg"),
+                                           ("text.jpg", r"cannot identify image file .*text\.jpg")])
+def test_load_rgb_raises_on_broken_files(odd_images, name, message):
+    with pytest.raises(OSError, match=message):
         load_rgb(odd_images / name)
 
 

@@ -411,7 +411,7 @@ def test_resize_pos_embed_square_default_old_size_and_dtype():
     out = resize_pos_embed(posemb, 10)
     assert out.dtype == torch.bfloat16 and out.shape == (1, 101, 16)
     torch.testing.assert_close(out, resample_abs_pos_embed(posemb, [10, 10]), atol=0, rtol=0)
-    with pytest.raises(ValueError, match="old_size"):
+    with pytest.raises(ValueError, match=r"cannot infer a square grid from 96 position tokens; pass old_size=\(H, W\)"):
         resize_pos_embed(torch.randn(1, 1 + 96, 16), 10)
 
 

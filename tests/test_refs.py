@@ -30,7 +30,7 @@ def test_every_kind_of_reference(tmp_path, monkeypatch):
     assert (hub.target, hub.revision, hub.is_model_folder, hub.is_local) == ("org/repo", "v2", True, False)
     assert parse_ref("local-dir:~/x").path == Path.home() / "x"
     assert parse_ref("vit_b_16").arch_tag == ("vit_base_patch16_224", "augreg2_in21k_ft_in1k")
-    with pytest.raises(VitftError, match="unknown model"):
+    with pytest.raises(VitftError, match=r"unknown model 'no_such_model'.*`vitft models` lists the supported names"):
         parse_ref("no_such_model").arch_tag
 
 

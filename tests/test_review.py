@@ -55,8 +55,8 @@ def test_explain_writes_names_that_are_not_utf8(tmp_path):
 
 
 def test_onnx_export_into_a_folder_whose_name_is_not_utf8(tmp_path):
-    pytest.importorskip("onnxruntime")
-    pytest.importorskip("onnxscript")
+    for module in ("onnxruntime", "onnxscript"):
+        pytest.importorskip(module, reason=f"{module} is not installed (pip install '.[test]')")
     from vit_finetune.onnx_export import export_onnx
 
     export_onnx(_tiny(), tmp_path / NOT_UTF8, batch_sizes=(1,))

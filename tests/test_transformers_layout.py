@@ -160,7 +160,8 @@ def test_folder_as_pretrained_of_its_architecture(tmp_path):
     x = image(24)
     with torch.no_grad():
         torch.testing.assert_close(model.forward_features(x), ref(pixel_values=x).last_hidden_state, **TOL)
-    with pytest.raises(VitftError, match="vit_base_patch14_dinov2"):
+    with pytest.raises(VitftError, match=r"dinov2 holds a vit_base_patch14_dinov2 model, not vit_small_patch16_224; "
+                                         r"drop --model or pick vit_base_patch14_dinov2"):
         create_model("vit_small_patch16_224", pretrained=folder)
 
 

@@ -14,8 +14,18 @@ from .errors import VitftError
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+# what `--device auto` means where it is set (cpu, cuda, cuda:N, mps): the test suite pins the CPU with it, and its
+# subprocesses (torchrun ranks, CLI runs) inherit it
+DEVICE_ENV = "VITFT_DEVICE"
+
+
 def resolve_device(device: str = "auto") -> torch.device:
-    """'auto' picks cuda, then mps, then cpu; an unavailable explicit choice is a clear error."""
+    """'auto' picks $VITFT_DEVICE where set, else cuda, then mps, then cpu; an unavailable explicit choice is a
+    clear error."""
+    asked, fix = f"--device {device}", "use --device auto or cpu"
+    if device == "auto" and os.environ.get(DEVICE_ENV, "auto").strip() not in ("", "auto"):
+        device = os.environ[DEVICE_ENV].strip()
+        asked, fix = f"{DEVICE_ENV}={device}", f"unset {DEVICE_ENV} or set it to cpu"
     if device == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -23,13 +33,13 @@ def resolve_device(device: str = "auto") -> torch.device:
             return torch.device("mps")
         return torch.device("cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise VitftError(f"--device {device} asked for, but CUDA is not available here; use --device auto or cpu")
+        raise VitftError(f"{asked} asked for, but CUDA is not available here; {fix}")
     if device == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise VitftError("--device mps asked for, but MPS is not available here; use --device auto or cpu")
+        raise VitftError(f"{asked} asked for, but MPS is not available here; {fix}")
     try:
         return torch.device(device)
     except RuntimeError as err:
-        raise VitftError(f"unknown device {device!r}; use auto, cpu, cuda, cuda:N or mps") from err
+        raise VitftError(f"unknown device {device!r} ({asked}); use auto, cpu, cuda, cuda:N or mps") from err
 
 
 def check_precision(device: torch.device, precision: str) -> None:

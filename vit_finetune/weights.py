@@ -13,6 +13,7 @@ import inspect
 import json
 import logging
 import os
+import pickle
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +46,10 @@ _MODEL_ARGS = set(inspect.signature(VisionTransformer.__init__).parameters) - {"
 VITFT_MODEL_ARGS = "vitft_model_args"
 
 Pretrained = Union[bool, str, os.PathLike, None]
-_HUB_CHECK_TIMEOUT = 3.0  # seconds for the Hub endpoint's name lookup, and for its TCP connect
+# seconds allowed for the Hub endpoint's name lookup, then for its TCP connect: an unreachable Hub is found out
+# within their sum
+HUB_LOOKUP_TIMEOUT = 3.0
+HUB_CONNECT_TIMEOUT = 3.0
 
 
 @dataclass
@@ -96,7 +100,7 @@ def _hub_unreachable() -> Optional[str]:
     host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
     pool = ThreadPoolExecutor(max_workers=1)  # getaddrinfo has no timeout of its own
     try:
-        addresses = pool.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM).result(_HUB_CHECK_TIMEOUT)
+        addresses = pool.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM).result(HUB_LOOKUP_TIMEOUT)
     except LookupTimeout:
         return f"looking up {host} timed out"
     except OSError as err:
@@ -106,7 +110,7 @@ def _hub_unreachable() -> Optional[str]:
     family, kind, proto, _, address = addresses[0]
     try:
         with socket.socket(family, kind, proto) as sock:
-            sock.settimeout(_HUB_CHECK_TIMEOUT)
+            sock.settimeout(HUB_CONNECT_TIMEOUT)
             sock.connect(address)
     except OSError as err:
         return f"{host}:{port} does not answer ({err.strerror or type(err).__name__})"
@@ -350,6 +354,12 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any parse failure means the same thing to the user
+        # weights_only met an object that unpickling would construct or call: the file could run code
+        blocked = re.search(r"GLOBAL (\S+)", str(err)) if isinstance(err, pickle.UnpicklingError) else None
+        if blocked:
+            raise VitftError(f"refusing {path}: it holds pickled Python objects ({blocked.group(1)}) that could run "
+                             "code; weights are read as tensors only: save a plain state dict or .safetensors") \
+                from err
         raise VitftError(f"cannot read weights from {path}: corrupted or not a checkpoint ({type(err).__name__})") \
             from err
     for wrapper in ("state_dict", "model", "module"):
