@@ -20,14 +20,10 @@ onnx = pytest.importorskip("onnx", reason="the ONNX export tests need the onnx e
 import onnxruntime as ort  # noqa: E402
 from conftest import CLASSES, TINY  # noqa: E402
 
-from vit_finetune import (  # noqa: E402
-    create_model,
-    export,
-    load_model,
-    onnx_export,  # noqa: E402
-)
+import vit_finetune.hub.onnx as onnx_export  # noqa: E402
+from vit_finetune import create_model, export, load_model  # noqa: E402
 from vit_finetune.errors import VitftError  # noqa: E402
-from vit_finetune.onnx_export import export_onnx  # noqa: E402
+from vit_finetune.hub.onnx import export_onnx  # noqa: E402
 
 VARIANTS = {
     "class_token": {},

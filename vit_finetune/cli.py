@@ -544,7 +544,7 @@ def export_cmd(
                                            show_default="the run's"),
 ):
     """Export a run as a Hub-ready model folder: timm format plus a model card (and model.onnx with --onnx)."""
-    from .hub import export
+    from .hub.export import export
 
     out = export(run_dir, out_dir, dtype=dtype, overwrite=overwrite, repo_id=repo_id, dataset=dataset, onnx=onnx,
                  img_size=img_size)
@@ -572,7 +572,7 @@ def push_cmd(
                                           help="Hub dataset id trained on, for the card's metadata."),
 ):
     """Export a run and upload it to a Hugging Face Hub model repo."""
-    from .hub import push
+    from .hub.push import push
 
     result = push(run_dir, repo_id, token=token, private=private, revision=revision, create_pr=create_pr,
                   commit_message=commit_message, overwrite_card=overwrite_card, dtype=dtype, dataset=dataset)
