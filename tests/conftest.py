@@ -15,6 +15,8 @@ INTEL = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "intel"
 CLASSES = ["buildings", "forest", "glacier", "mountain", "sea", "street"]
 # a tiny ViT (depth 2, width 64) at 32 px: fast enough for many CPU tests
 TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2)
+# a file or folder name with a Latin-1 byte, as Linux hands it to Python (a surrogate escape, not UTF-8)
+NOT_UTF8 = os.fsdecode(b"caf\xe9 run")
 
 
 @pytest.fixture(scope="session")
@@ -78,6 +80,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     model = create_model("vit_tiny_patch16_224", num_classes=len(CLASSES), **TINY)
     model.pretrained_cfg["label_names"] = list(CLASSES)
     return save_pretrained(model, tmp_path_factory.mktemp("tiny_model"))
+
+
+def tiny_classifier(classes=("a", "b")):
+    """A tiny ViT whose config names its classes."""
+    from vit_finetune import create_model
+
+    model = create_model("vit_tiny_patch16_224", num_classes=len(classes), **TINY)
+    model.pretrained_cfg["label_names"] = list(classes)
+    return model
 
 
 @pytest.fixture(scope="module")

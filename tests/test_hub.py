@@ -529,3 +529,17 @@ def test_vitft_predict_and_timms_pipeline_give_the_same_probabilities(tiny_model
     for row, probs in zip(rows, expected):
         got = dict(zip(row.labels, row.probs))
         torch.testing.assert_close(torch.tensor([got[label] for label in labels]), probs, atol=1e-5, rtol=0)
+
+
+def test_export_overwrite_never_replaces_files_of_a_folder_that_is_not_an_export(tiny_model_dir, tmp_path):
+    project = tmp_path / "project"  # `vitft export runs/x . --overwrite` typed in a project's root
+    project.mkdir()
+    (project / "README.md").write_text("my project")
+    with pytest.raises(VitftError, match="no exported model"):
+        export(tiny_model_dir, project, overwrite=True)
+    assert (project / "README.md").read_text() == "my project"
+    assert sorted(p.name for p in project.iterdir()) == ["README.md"]
+    out = export(tiny_model_dir, tmp_path / "out")
+    (out / "notes.txt").write_text("kept")
+    export(tiny_model_dir, out, overwrite=True)  # an earlier export is replaced, files of the user's own are kept
+    assert (out / "notes.txt").read_text() == "kept"
