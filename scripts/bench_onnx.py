@@ -19,7 +19,7 @@ import time
 import torch
 
 from vit_finetune import create_model
-from vit_finetune.onnx_export import INPUT_NAME, OUTPUT_NAME, export_onnx
+from vit_finetune.hub.onnx import INPUT_NAME, OUTPUT_NAME, export_onnx
 
 
 def parse_args() -> argparse.Namespace:

@@ -33,6 +33,8 @@ def shared_path(path: Path, what: str) -> Path:
     if not path.exists():
         pytest.skip(f"{what} not found at {path} (CI always has them)")
     return path
+# a file or folder name with a Latin-1 byte, as Linux hands it to Python (a surrogate escape, not UTF-8)
+NOT_UTF8 = os.fsdecode(b"caf\xe9 run")
 
 
 @pytest.fixture(scope="session")
@@ -160,6 +162,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     model = create_model("vit_tiny_patch16_224", num_classes=len(CLASSES), **TINY)
     model.pretrained_cfg["label_names"] = list(CLASSES)
     return save_pretrained(model, tmp_path_factory.mktemp("tiny_model"))
+
+
+def tiny_classifier(classes=("a", "b")):
+    """A tiny ViT whose config names its classes."""
+    from vit_finetune import create_model
+
+    model = create_model("vit_tiny_patch16_224", num_classes=len(classes), **TINY)
+    model.pretrained_cfg["label_names"] = list(classes)
+    return model
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,14 @@ patch's key stands out by ~11 standard units, so every query of every head atten
 from __future__ import annotations
 
 import logging
+import os
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, invoke_cli
+from conftest import NOT_UTF8, TINY, invoke_cli, tiny_classifier
 from PIL import Image
 
 from vit_finetune import create_model, evaluate, explain, save_pretrained
@@ -260,3 +261,15 @@ def test_pooling_without_a_readout_row(tmp_path, caplog, monkeypatch):
     assert result.heatmap.shape == (40, 40) and "pooling attention is not captured" in caplog.text
     with pytest.raises(VitftError, match="no pooling"):
         explain(tiny(global_pool=""), image, device="cpu")
+
+
+def test_explain_writes_names_that_are_not_utf8(tmp_path):
+    images = tmp_path / NOT_UTF8
+    images.mkdir()
+    Image.fromarray(np.full((40, 40, 3), 128, np.uint8)).save(images / os.fsdecode(b"photo \xff.png"))
+    model = tiny_classifier(classes=(os.fsdecode(b"cl\xe9 a"), "b"))
+    out = tmp_path / "explained"
+    explain(model, str(images), output=str(out))
+    page = (out / "index.html").read_text(encoding="utf-8")
+    assert r"photo \xff.png" in page and r"cl\xe9 a" in page
+    assert len(list(out.glob("*.png"))) == 1

@@ -22,7 +22,9 @@ from hub_server import HubServer, put_files
 from safetensors.torch import load
 
 from vit_finetune.errors import VitftError
-from vit_finetune.hub import base_model, export, resolve_token
+from vit_finetune.hub.card import base_model
+from vit_finetune.hub.export import export
+from vit_finetune.hub.push import resolve_token
 
 TOKEN = "hf_vitftTestToken0123456789abcdef"
 TOKEN2 = "hf_otherTestToken9876543210fedcba"
@@ -222,10 +224,22 @@ def test_later_pushes_keep_the_card_overwrite_it_or_open_a_pr(pushed, hub, run, 
     assert TOKEN not in proc.stdout + proc.stderr and TOKEN2 not in proc.stdout + proc.stderr
 
 
-def test_token_precedence(monkeypatch):
+def test_token_precedence_is_the_argument_then_hf_token_then_the_cached_login(monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    cached = tmp_path / "token"
+    cached.write_text("hf_cached\n")
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(cached))  # where `hf auth login` keeps it
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_TOKEN", "hf_from_env")
     assert resolve_token("hf_explicit") == "hf_explicit"
     assert resolve_token(None) == resolve_token("  ") == "hf_from_env"
+    monkeypatch.delenv("HF_TOKEN")
+    assert resolve_token(None) == "hf_cached"
+    cached.unlink()
+    with pytest.raises(VitftError, match="no Hugging Face token: pass --token, set HF_TOKEN"):
+        resolve_token(None)
 
 
 def test_push_without_token_fails_before_any_request(run, tmp_path):
@@ -366,7 +380,7 @@ def evaluated_run_without_report(tiny_model_dir: Path, folder: Path, train: dict
 
 
 def test_local_weights_paths_stay_private(tiny_model_dir, tmp_path):
-    from vit_finetune.hub import _hyperparameters
+    from vit_finetune.hub.card import hyperparameters
 
     train = {"pretrained": "weights/private.pth", "model": "vit_tiny_patch16_224", "epochs": 3,
              "data": "mydata", "max_steps_per_epoch": 5}
@@ -382,9 +396,9 @@ def test_local_weights_paths_stay_private(tiny_model_dir, tmp_path):
     assert base_model(train) is None
     public = ("vit_b_16", "vit_small_patch16_224.augreg_in21k", "hf-hub:someone/my-vit", "none")
     for value in public:
-        assert _hyperparameters({"pretrained": value})["pretrained"] == value
+        assert hyperparameters({"pretrained": value})["pretrained"] == value
     for value in ("weights/private.pth", "private.safetensors", str(tmp_path), "runs/best", "local-dir:x"):
-        assert "pretrained" not in _hyperparameters({"pretrained": value}), value
+        assert "pretrained" not in hyperparameters({"pretrained": value}), value
 
 
 def test_report_json_round_trips_through_eval_report(tmp_path):
@@ -399,10 +413,10 @@ def test_report_json_round_trips_through_eval_report(tmp_path):
 
 
 def test_the_card_lists_the_recipe_not_the_machine(tiny_model_dir, tmp_path):
-    from vit_finetune.hub import _hyperparameters
+    from vit_finetune.hub.card import hyperparameters
     from vit_finetune.train import TrainConfig
 
-    listed = _hyperparameters(TrainConfig(data="x", workers=2, device="cpu", epochs=3, lr=1e-3).to_dict())
+    listed = hyperparameters(TrainConfig(data="x", workers=2, device="cpu", epochs=3, lr=1e-3).to_dict())
     assert listed["epochs"] == 3 and listed["lr"] == 1e-3 and listed["min_lr"] == 1e-6
     assert not {"data", "workers", "device", "max_steps_per_epoch", "output", "quiet"} & set(listed)
 
@@ -478,7 +492,7 @@ def test_save_pretrained_replaces_config_then_weights(tiny_model_dir, tmp_path, 
 
 
 def test_export_overwrite_never_removes_a_file_it_replaces(run, tmp_path, monkeypatch):
-    import vit_finetune.hub as hub
+    import vit_finetune.hub.export as hub_export
 
     out = export(run, tmp_path / "out")
     real_replace, seen = os.replace, []
@@ -487,7 +501,7 @@ def test_export_overwrite_never_removes_a_file_it_replaces(run, tmp_path, monkey
         seen.append((Path(dst).name, (out / "config.json").exists(), (out / "model.safetensors").exists()))
         return real_replace(src, dst)
 
-    monkeypatch.setattr(hub.os, "replace", replace)
+    monkeypatch.setattr(hub_export.os, "replace", replace)
     export(run, out, overwrite=True)
     assert [name for name, *_ in seen][:2] == ["config.json", "model.safetensors"]
     assert all(config and weights for _, config, weights in seen)
@@ -515,3 +529,17 @@ def test_vitft_predict_and_timms_pipeline_give_the_same_probabilities(tiny_model
     for row, probs in zip(rows, expected):
         got = dict(zip(row.labels, row.probs))
         torch.testing.assert_close(torch.tensor([got[label] for label in labels]), probs, atol=1e-5, rtol=0)
+
+
+def test_export_overwrite_never_replaces_files_of_a_folder_that_is_not_an_export(tiny_model_dir, tmp_path):
+    project = tmp_path / "project"  # `vitft export runs/x . --overwrite` typed in a project's root
+    project.mkdir()
+    (project / "README.md").write_text("my project")
+    with pytest.raises(VitftError, match="no exported model"):
+        export(tiny_model_dir, project, overwrite=True)
+    assert (project / "README.md").read_text() == "my project"
+    assert sorted(p.name for p in project.iterdir()) == ["README.md"]
+    out = export(tiny_model_dir, tmp_path / "out")
+    (out / "notes.txt").write_text("kept")
+    export(tiny_model_dir, out, overwrite=True)  # an earlier export is replaced, files of the user's own are kept
+    assert (out / "notes.txt").read_text() == "kept"

@@ -18,16 +18,12 @@ pytest.importorskip("onnxruntime", reason="the ONNX export tests need the onnx e
 pytest.importorskip("onnxscript", reason="the ONNX export tests need the onnx extra: pip install 'vit-finetune[onnx]'")
 onnx = pytest.importorskip("onnx", reason="the ONNX export tests need the onnx extra: pip install 'vit-finetune[onnx]'")
 import onnxruntime as ort  # noqa: E402
-from conftest import CLASSES, TINY  # noqa: E402
+from conftest import CLASSES, NOT_UTF8, TINY, tiny_classifier  # noqa: E402
 
-from vit_finetune import (  # noqa: E402
-    create_model,
-    export,
-    load_model,
-    onnx_export,  # noqa: E402
-)
+import vit_finetune.hub.onnx as onnx_export  # noqa: E402
+from vit_finetune import create_model, export, load_model  # noqa: E402
 from vit_finetune.errors import VitftError  # noqa: E402
-from vit_finetune.onnx_export import export_onnx  # noqa: E402
+from vit_finetune.hub.onnx import export_onnx  # noqa: E402
 
 VARIANTS = {
     "class_token": {},
@@ -200,3 +196,8 @@ def test_cli_missing_extra_names_the_install_command(tiny_model_dir, tmp_path):
     assert proc.returncode == 1
     assert "pip install 'vit-finetune[onnx]'" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_onnx_export_into_a_folder_whose_name_is_not_utf8(tmp_path):
+    export_onnx(tiny_classifier(), tmp_path / NOT_UTF8, batch_sizes=(1,))
+    assert (tmp_path / NOT_UTF8 / "model.onnx").stat().st_size > 0

@@ -7,7 +7,7 @@ import pytest
 
 from vit_finetune import VitftError
 from vit_finetune.cli import _check_model_arg
-from vit_finetune.hub import _is_local_path, _public_weights, base_model
+from vit_finetune.hub.card import base_model, is_local_path, public_weights
 from vit_finetune.refs import RefKind, parse_ref
 
 
@@ -38,10 +38,10 @@ def test_callers_read_references_alike(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "run").mkdir()
     for private in ("run", "./x", "weights/private.pth", "local-dir:run"):
-        assert _is_local_path(private) and not _public_weights(private), private
+        assert is_local_path(private) and not public_weights(private), private
     for public in ("vit_b_16", "hf-hub:someone/my-vit", "none", None, True):
-        assert _public_weights(public) and not _is_local_path(public), public
-    assert not _public_weights("no_such_model") and not _public_weights("hf-hub:not a repo")
+        assert public_weights(public) and not is_local_path(public), public
+    assert not public_weights("no_such_model") and not public_weights("hf-hub:not a repo")
     assert base_model({"pretrained": "hf-hub:someone/my-vit@v2"}) == "someone/my-vit"
     assert base_model({"pretrained": True}) is None  # no model named: no lineage
     assert base_model({"pretrained": "run"}) is None

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import stat
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from conftest import CLASSES, TINY, invoke_cli, make_images
+from conftest import CLASSES, NOT_UTF8, TINY, invoke_cli, make_images, tiny_classifier
 from safetensors.torch import save_file
 
 from vit_finetune import VitftError, create_model, resize_pos_embed, save_pretrained
@@ -489,3 +490,20 @@ def test_cli_models_lists_the_deit_family():
     for name in timm.list_models(module="deit"):
         assert f" {name} " in result.output, name
     assert "vit_base_patch16_224" not in result.output
+
+
+def test_saved_weights_get_the_umasks_mode_not_a_private_one(tmp_path):
+    mask = os.umask(0)
+    os.umask(mask)
+    folder = save_pretrained(tiny_classifier(), tmp_path / "model")
+    for name in ("model.safetensors", "config.json"):
+        assert stat.S_IMODE((folder / name).stat().st_mode) == 0o666 & ~mask, name
+
+
+def test_weights_load_from_a_folder_whose_name_is_not_utf8(tmp_path):
+    from vit_finetune import load_model
+
+    model = tiny_classifier()
+    loaded = load_model(str(save_pretrained(model, tmp_path / NOT_UTF8)))
+    for key, value in model.state_dict().items():
+        assert loaded.state_dict()[key].equal(value), key

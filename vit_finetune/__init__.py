@@ -17,7 +17,7 @@ _PUBLIC = {  # name -> the module that defines it
     "VitftError": "errors",
     "EvalReport": "evaluate", "Prediction": "evaluate", "evaluate": "evaluate", "predict": "evaluate",
     "Explanation": "explain", "explain": "explain",
-    "PushResult": "hub", "export": "hub", "push": "hub",
+    "PushResult": "hub.push", "export": "hub.export", "push": "hub.push",
     "VisionTransformer": "model",
     "resize_pos_embed": "pos_embed",
     "TrainConfig": "config",
@@ -33,7 +33,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from .errors import VitftError  # noqa: F401
     from .evaluate import EvalReport, Prediction, evaluate, predict  # noqa: F401
     from .explain import Explanation, explain  # noqa: F401
-    from .hub import PushResult, export, push  # noqa: F401
+    from .hub.export import export  # noqa: F401
+    from .hub.push import PushResult, push  # noqa: F401
     from .model import VisionTransformer  # noqa: F401
     from .pos_embed import resize_pos_embed  # noqa: F401
     from .train import RunResult, finetune  # noqa: F401

@@ -9,7 +9,6 @@ import dataclasses
 import fnmatch
 import functools
 import inspect
-import logging
 import os
 import re
 import sys
@@ -19,58 +18,21 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 from rich.console import Console
-from rich.logging import RichHandler
 from rich.markup import escape
 from rich.table import Table
-from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from . import __version__
 from .config import DEVICE_HELP, TrainConfig
 from .errors import VitftError
+from .terminal import Command, Group, console, print_report, setup_logging
 
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
-console = Console(stderr=True)
 
 # where a model comes from, as evaluate, predict and explain take it
 MODEL_HELP = "Run or model folder, weights file (with --model), hf-hub:org/repo, or a timm name (with --pretrained)."
 PRECISION_HELP = "fp32, bf16 or fp16."
 
-
-def _plain_flags(command) -> None:
-    """Flags show no '<bool>' type; arguments are named in capitals (MODEL), as in the usage line."""
-    for param in command.params:
-        if getattr(param, "is_flag", False):
-            param.metavar = ""
-        elif isinstance(param, TyperArgument) and param.metavar is None:
-            param.metavar = param.name.upper()
-
-
-class _PlainFlags:
-    """Help that shows flags (--help included) without a type."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        _plain_flags(self)
-
-    def get_help_option(self, ctx):
-        option = super().get_help_option(ctx)
-        if option is not None:
-            option.metavar = ""
-        return option
-
-
-class _Command(_PlainFlags, TyperCommand):
-    """A command whose usage line reads `MODEL INPUTS...`, not `{model} {inputs}...`."""
-
-    def collect_usage_pieces(self, ctx) -> list[str]:
-        return [re.sub(r"\{([^}]*)\}", r"\1", piece) for piece in super().collect_usage_pieces(ctx)]
-
-
-class _Group(_PlainFlags, TyperGroup):
-    pass
-
-
-app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune Vision Transformers on your own images.")
 
 
@@ -95,38 +57,16 @@ def command(*args, **kwargs) -> Callable:
     def register(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def wrapper(*a, **kw):
-            _setup_logging()
+            setup_logging()
             try:
                 return fn(*a, **kw)
             except VitftError as err:
                 console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
                 raise typer.Exit(1) from None
 
-        return app.command(*args, cls=_Command, **kwargs)(wrapper)
+        return app.command(*args, cls=Command, **kwargs)(wrapper)
 
     return register
-
-
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever sys.stderr is now (test runners swap it between commands)."""
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, _value) -> None:
-        pass
-
-
-def _setup_logging() -> None:
-    logger = logging.getLogger("vitft")
-    if not logger.handlers:
-        handler = RichHandler(console=console, show_time=False, show_path=False) if sys.stderr.isatty() \
-            else _StderrHandler()
-        logger.addHandler(handler)
-        logger.propagate = False
-    logger.setLevel(logging.INFO)
 
 
 def _plural(count: int, noun: str) -> str:
@@ -171,8 +111,6 @@ def _size(hw) -> str:
     return str(hw[0]) if hw[0] == hw[1] else f"{hw[0]}x{hw[1]}"
 
 
-# Commands for finetune/demo, evaluate/predict and export/push are registered below.
-# <finetune-commands>
 def _finetune_parameter(option: dataclasses.Field) -> inspect.Parameter:
     """The Typer parameter of a TrainConfig option: its type, default, panel and help from the field, `--x/--no-x`
     for a boolean."""
@@ -306,7 +244,7 @@ def _quoted(path) -> str:
 
     return shlex.quote(str(path))
 
-# <evaluate-commands>
+
 def _check_model_arg(model: str, arch: Optional[str], pretrained: bool) -> None:
     """Clear errors for a missing path, and for a timm name given without --pretrained."""
     from .refs import RefKind, parse_ref
@@ -331,64 +269,6 @@ def default_output(model: str) -> Path:
         return ref.path
     name = ref.path.stem if ref.kind is RefKind.FILE else ref.target.rstrip("/").split("/")[-1]
     return Path("eval-" + (re.sub(r"[^\w.-]+", "-", name).strip("-") or "model"))
-
-
-def print_report(report, out: Optional[Console] = None) -> None:
-    """An EvalReport as rich tables on a terminal, as plain aligned text when piped."""
-    from rich import box
-
-    from .files import printable
-
-    def shown(text: str) -> str:  # rich markup escaped, undecodable file name bytes as \xNN
-        return escape(printable(text))
-
-    out = out or Console()
-    style = box.SIMPLE_HEAD if out.is_terminal else None
-    data = report.data
-    out.print(f"evaluated {shown(str(report.model['source'] or report.model['architecture']))} on "
-              f"{shown(data['root'])} (split: {data['split']}, layout: {shown(data['layout'])}): "
-              f"{report.num_images} images", highlight=False, soft_wrap=True)
-    summary = Table.grid(padding=(0, 2))
-    summary.add_column()
-    summary.add_column(justify="right")
-    summary.add_row("top-1 accuracy", f"{100 * report.accuracy:.1f}%")
-    if report.top5 is not None:
-        summary.add_row("top-5 accuracy", f"{100 * report.top5:.1f}%")
-    summary.add_row("loss", f"{report.loss:.4f}")
-    summary.add_row("macro F1", f"{report.macro_f1:.3f}")
-    summary.add_row("weighted F1", f"{report.weighted_f1:.3f}")
-    summary.add_row("images/s", f"{report.images_per_s:.1f}")
-    out.print(summary, highlight=False)
-
-    per_class = Table(title="per class", box=style, title_justify="left", highlight=False)
-    per_class.add_column("class")
-    for col in ("precision", "recall", "F1", "support"):
-        per_class.add_column(col, justify="right")
-    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    for name, row in report.per_class.items():
-        per_class.add_row(shown(name), fmt(row["precision"]), fmt(row["recall"]), fmt(row["f1"]),
-                          str(row["support"]))
-    out.print()
-    out.print(per_class)
-    if report.confused_pairs:
-        pairs = Table(title="most confused (true -> predicted)", box=style, title_justify="left", highlight=False)
-        for col in ("true", "predicted", "count", "% of true"):
-            pairs.add_column(col, justify="right" if col in ("count", "% of true") else "left")
-        for p in report.confused_pairs[:5]:
-            pairs.add_row(shown(p["true"]), shown(p["predicted"]), str(p["count"]),
-                          f"{100 * p['fraction_of_true']:.1f}%")
-        out.print()
-        out.print(pairs)
-    if report.absent_classes:
-        out.print(f"\nmodel classes not in the data (support 0): {shown(', '.join(report.absent_classes))}",
-                  highlight=False, soft_wrap=True)
-    if report.skipped:
-        out.print(f"\n{len(report.skipped)} file(s) skipped (not readable images): "
-                  f"{shown(', '.join(report.skipped[:3]))}" + (" ..." if len(report.skipped) > 3 else ""),
-                  highlight=False, soft_wrap=True)
-    if report.output is not None:
-        out.print(f"\nwrote report.json, predictions.csv, confusion_matrix.png, mistakes.png to "
-                  f"{shown(str(report.output))}", highlight=False, soft_wrap=True)
 
 
 @command("evaluate")
@@ -524,7 +404,8 @@ def explain_cmd(
     if bad:
         console.print(f"[yellow]warning:[/] {bad} of {len(results)} file(s) could not be read", highlight=False,
                       soft_wrap=True)
-# <hub-commands>
+
+
 @command("export")
 def export_cmd(
     run_dir: Path = typer.Argument(..., help="Run folder written by `vitft finetune` (or any saved model folder)."),
@@ -544,7 +425,7 @@ def export_cmd(
                                            show_default="the run's"),
 ):
     """Export a run as a Hub-ready model folder: timm format plus a model card (and model.onnx with --onnx)."""
-    from .hub import export
+    from .hub.export import export
 
     out = export(run_dir, out_dir, dtype=dtype, overwrite=overwrite, repo_id=repo_id, dataset=dataset, onnx=onnx,
                  img_size=img_size)
@@ -572,7 +453,7 @@ def push_cmd(
                                           help="Hub dataset id trained on, for the card's metadata."),
 ):
     """Export a run and upload it to a Hugging Face Hub model repo."""
-    from .hub import push
+    from .hub.push import push
 
     result = push(run_dir, repo_id, token=token, private=private, revision=revision, create_pr=create_pr,
                   commit_message=commit_message, overwrite_card=overwrite_card, dtype=dtype, dataset=dataset)

@@ -828,7 +828,7 @@ def finetune(config: TrainConfig | dict | None = None, resume: Optional[str | Pa
         run_dir = _check_run_dir(cfg)
     _check_config(cfg)
     if cfg.push_to_hub:
-        from .hub import resolve_token
+        from .hub.push import resolve_token
 
         resolve_token()  # no token: fail now, not after hours of training
     trainer = Trainer(cfg, run_dir, state)
@@ -850,7 +850,7 @@ def finetune(config: TrainConfig | dict | None = None, resume: Optional[str | Pa
     if replaced is not None:
         shutil.rmtree(replaced)
     if trainer.ddp.main and not result.interrupted and cfg.push_to_hub:
-        from .hub import push_run
+        from .hub.push import push_run
 
         push_run(run_dir, cfg.push_to_hub)
     if trainer.ddp.enabled:  # the ranks leave together: a rank that exits while gloo's threads still run aborts

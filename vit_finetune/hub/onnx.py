@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
-from .errors import VitftError
+from ..errors import VitftError
 
 if TYPE_CHECKING:
     import torch
