@@ -13,7 +13,6 @@ handed to huggingface_hub, never printed, logged or written anywhere.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -27,11 +26,11 @@ from typing import Any, Iterator, Optional, Union
 from .errors import VitftError
 from .onnx_export import ONNX_FILES
 from .refs import RefKind, parse_ref
+from .run_folder import CARD_IMAGES, RunFolder
 
 log = logging.getLogger("vitft")
 
 PLACEHOLDER_REPO = "<user>/<repo>"
-CARD_IMAGES = ("curves.png", "confusion_matrix.png")
 # every file `export` writes: what --overwrite replaces in an existing folder (nothing else is touched)
 EXPORT_FILES = ("config.json", "model.safetensors", "README.md", *CARD_IMAGES, *ONNX_FILES)
 DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16", "half": "float16",
@@ -56,39 +55,20 @@ class PushResult:
 
 
 # ---- reading a run ----------------------------------------------------------------------------------
-def _check_run(run_dir: PathLike) -> Path:
-    run = Path(run_dir).expanduser()
-    if not run.is_dir():
-        raise VitftError(f"run folder {run} not found")
-    if not (run / "config.json").is_file():
-        raise VitftError(f"{run} has no config.json; pass a run folder written by `vitft finetune` "
-                         "(or any folder written by save_pretrained)")
+def _check_run(run_dir: PathLike) -> RunFolder:
+    run = RunFolder(run_dir)
+    run.require_model()
     return run
 
 
-def _read_json(path: Path) -> Optional[dict]:
-    """An optional JSON file of the run: None when absent or unreadable (with a warning)."""
-    if not path.is_file():
-        return None
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        log.warning("ignoring %s: cannot read it (%s)", path, err)
-        return None
-    if not isinstance(value, dict):
-        log.warning("ignoring %s: not a JSON object", path)
-        return None
-    return value
-
-
-def _read_report(run: Path):
+def _read_report(run: RunFolder):
     """The run's evaluation report (report.json), if it has a readable one."""
     from .evaluate import EvalReport
 
-    if not (run / "report.json").is_file():
+    if not run.report_file.is_file():
         return None
     try:
-        return EvalReport.load(run / "report.json")
+        return EvalReport.load(run.report_file)
     except VitftError as err:
         log.warning("ignoring %s", err)
         return None
@@ -96,14 +76,6 @@ def _read_report(run: Path):
 
 def _dict(value: Any) -> dict:
     return value if isinstance(value, dict) else {}
-
-
-def _run_info(run: Path) -> dict:
-    """The defensive view of the run's "vitft" config key: train, data, best (each possibly empty)."""
-    config = _read_json(run / "config.json") or {}
-    info = _dict(config.get("vitft"))
-    return {"config": config, "train": _dict(info.get("train")), "data": _dict(info.get("data")),
-            "best": _dict(info.get("best"))}
 
 
 def _torch_dtype(dtype: str):
@@ -285,7 +257,7 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
     from .files import printable
 
     run = _check_run(run_dir)
-    info = _run_info(run)
+    info = run.vitft_info()
     train, data, best = info["train"], info["data"], info["best"]
     if model is None:
         from .weights import load_model
@@ -294,7 +266,7 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
     cfg = dict(model.pretrained_cfg)
     report = _read_report(run)
     repo = repo_id or PLACEHOLDER_REPO
-    name = repo_id.split("/")[-1] if repo_id else run.resolve().name
+    name = repo_id.split("/")[-1] if repo_id else run.path.resolve().name
     base = base_model(train)
     dataset_id = _hub_dataset(dataset, data.get("root"), train.get("data"))
     dataset_name = dataset_id or _dataset_name(report.data.get("root") if report else None) \
@@ -484,7 +456,7 @@ def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwri
     out = Path(out_dir).expanduser()
     if out.exists() and not out.is_dir():
         raise VitftError(f"{out} exists and is not a folder")
-    if out.resolve() == run.resolve():
+    if out.resolve() == run.path.resolve():
         raise VitftError(f"export into a new folder, not into the run folder {run} itself")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise VitftError(f"{out} already exists and is not empty; pass --overwrite to replace the exported files "
@@ -497,16 +469,16 @@ def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwri
     from .files import plain_permissions
     from .weights import load_model, save_pretrained
 
-    info = _run_info(run)
+    info = run.vitft_info()
     _check_img_size(info["config"], img_size)
     model = load_model(str(run), img_size=img_size)
     staging = _staging_dir(out)
     try:
         save_pretrained(model, staging, extra_config={"vitft": _small_vitft_info(info)} if info["train"] else None,
                         dtype=torch_dtype)
-        images = tuple(name for name in CARD_IMAGES if (run / name).is_file())
+        images = run.card_images()
         for name in images:
-            shutil.copyfile(run / name, staging / name)
+            shutil.copyfile(run.path / name, staging / name)
         if onnx:
             from .onnx_export import export_onnx
 
@@ -637,7 +609,7 @@ def push(run_dir: PathLike, repo_id: str, token: Optional[str] = None, private: 
     run = _check_run(run_dir)
     from .weights import _weights_in
 
-    _weights_in(run)  # the cheap local checks first: nothing is created on the Hub for a broken run
+    _weights_in(run.path)  # the cheap local checks first: nothing is created on the Hub for a broken run
     repo_id = _check_repo_id(repo_id)
     _torch_dtype(dtype)
     if create_pr and revision not in (None, "main"):
@@ -650,7 +622,7 @@ def push(run_dir: PathLike, repo_id: str, token: Optional[str] = None, private: 
     from . import __version__
 
     api = HfApi(token=token, library_name="vitft", library_version=__version__)
-    message = commit_message or f"Upload {run.resolve().name} with vitft"
+    message = commit_message or f"Upload {run.path.resolve().name} with vitft"
     # the Hub first (auth, permission and network problems show before the export's work) ...
     with _hub_step(f"creating the repo {repo_id}", repo_id):
         repo_url = api.create_repo(repo_id, private=True if private else None, exist_ok=True)
