@@ -47,6 +47,7 @@ def demo(output: Union[str, Path] = "vitft-demo", epochs: int = 10, seed: int = 
     from .engine.api import finetune
     from .evaluate import evaluate
     from .hub import export
+    from .run_folder import RunFolder
 
     output = Path(output)
     data = make_demo_data(output / "data", seed=seed)
@@ -59,4 +60,4 @@ def demo(output: Union[str, Path] = "vitft-demo", epochs: int = 10, seed: int = 
     exported = export(run.run_dir, output / "export", overwrite=True)
     log.info("demo: val top-1 %.1f%% after %d epochs; evaluated again on those %d validation images: %.1f%%",
              100 * run.best_top1, run.epochs_done, report.num_images, 100 * report.accuracy)
-    return {"data": data, "run": run.run_dir, "report": run.run_dir / "report.json", "export": exported}
+    return {"data": data, "run": run.run_dir, "report": RunFolder(run.run_dir).report_file, "export": exported}

@@ -26,7 +26,7 @@ from typing import Any, Iterator, Optional, Union
 from .errors import VitftError
 from .onnx_export import ONNX_FILES
 from .refs import RefKind, parse_ref
-from .run_folder import CARD_IMAGES, RunFolder
+from .run_folder import CARD_IMAGES, CURVES, RunFolder
 
 log = logging.getLogger("vitft")
 
@@ -311,7 +311,7 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
         out += ["## Labels\n", "| index | label |", "| ---: | --- |"]
         out += [f"| {i} | {_md(label)} |" for i, label in enumerate(labels)]
         out.append("")
-    if hyper or best or data.get("counts") or "curves.png" in images:
+    if hyper or best or data.get("counts") or CURVES in images:
         out.append("## Training\n")
         if data.get("layout"):
             out.append(f"Data layout: {_md(data['layout'])}.\n")
@@ -328,8 +328,8 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
             out += ["| hyperparameter | value |", "| --- | --- |"]
             out += [f"| {_md(k)} | {_md(v)} |" for k, v in hyper.items()]
             out.append("")
-        if "curves.png" in images:
-            out.append("![Training curves](curves.png)\n")
+        if CURVES in images:
+            out.append(f"![Training curves]({CURVES})\n")
     if report or "confusion_matrix.png" in images:
         out.append("## Evaluation\n")
     if report:

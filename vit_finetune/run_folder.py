@@ -25,7 +25,8 @@ PathLike = Union[str, os.PathLike]
 CHECKPOINT = Path("last") / "checkpoint.pt"
 METRIC_FIELDS = ["epoch", "train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_s", "seconds",
                  "data_wait", "peak_mem_gb", "val_images"]
-CARD_IMAGES = ("curves.png", "confusion_matrix.png")  # the pictures a model card embeds, when the run has them
+CURVES = "curves.png"
+CARD_IMAGES = (CURVES, "confusion_matrix.png")  # the pictures a model card embeds, when the run has them
 
 
 class RunFolder:
@@ -59,7 +60,7 @@ class RunFolder:
 
     @property
     def curves_file(self) -> Path:
-        return self.path / "curves.png"
+        return self.path / CURVES
 
     @property
     def model_config_file(self) -> Path:
@@ -76,6 +77,12 @@ class RunFolder:
     @property
     def mlflow_dir(self) -> Path:
         return self.path / "mlruns"
+
+    def mlflow_store(self) -> tuple[str, str]:
+        """(tracking URI, artifact URI) of the run's own MLflow store in mlruns/: SQLite, MLflow's local backend."""
+        folder = self.mlflow_dir.resolve()
+        folder.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{folder / 'mlflow.db'}", (folder / "artifacts").as_uri()
 
     # -- what is there
     def is_run(self) -> bool:

@@ -195,8 +195,9 @@ class TensorBoard(Callback):
 
 
 class MLflow(Callback):
-    """An MLflow run (experiment "vitft") with the options as params, each epoch's metrics and curves.png, in
-    MLFLOW_TRACKING_URI, else the run folder's mlruns/."""
+    """An MLflow run (experiment "vitft") with the options as params, each epoch's metrics and curves.png: in
+    MLFLOW_TRACKING_URI, else in the run folder's mlruns/ (an SQLite store and its artifacts, MLflow's local
+    backend)."""
 
     def __init__(self, run: RunFolder):
         try:
@@ -207,10 +208,13 @@ class MLflow(Callback):
         self.run, self.make_client, self.client, self.run_id = run, MlflowClient, None, None
 
     def on_run_start(self, trainer):
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or self.run.mlflow_dir.resolve().as_uri()
+        uri, artifacts = os.environ.get("MLFLOW_TRACKING_URI"), None
+        if not uri:
+            uri, artifacts = self.run.mlflow_store()
         self.client = self.make_client(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name("vitft")
-        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment("vitft")
+        experiment_id = experiment.experiment_id if experiment else \
+            self.client.create_experiment("vitft", artifact_location=artifacts)
         self.run_id = self.client.create_run(experiment_id, run_name=self.run.path.name).info.run_id
         for key, value in sorted(trainer.cfg.to_dict().items()):
             self.client.log_param(self.run_id, key, str(value)[:500])  # MLflow's limit for a param's value
