@@ -36,7 +36,7 @@ def main() -> None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch is imported: torch reads it then
 
     from vit_finetune.config import load_recipe
-    from vit_finetune.train import finetune
+    from vit_finetune.engine.api import finetune
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = load_recipe(args.recipe)

@@ -16,7 +16,7 @@ import logging
 from pathlib import Path
 
 from vit_finetune.config import load_recipe
-from vit_finetune.train import finetune
+from vit_finetune.engine.api import finetune
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_FLOPS_PER_IMAGE = 52.7e9  # forward + backward, ViT-B/16 at 224

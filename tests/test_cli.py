@@ -127,7 +127,7 @@ def test_flags_override_the_recipe_both_ways_and_the_next_command_is_printed(tmp
 
 
 def test_run_summary_has_no_empty_header_and_counts_epochs(capsys, tmp_path):
-    from vit_finetune.train import RunResult
+    from vit_finetune.engine.trainer import RunResult
 
     rows = [{"epoch": 1, "val_top1": 0.5, "train_loss": 1.0}]
     _summary(RunResult(tmp_path, 0.5, 1, 1, True, rows))

@@ -413,8 +413,8 @@ def test_report_json_round_trips_through_eval_report(tmp_path):
 
 
 def test_the_card_lists_the_recipe_not_the_machine(tiny_model_dir, tmp_path):
+    from vit_finetune.config import TrainConfig
     from vit_finetune.hub.card import hyperparameters
-    from vit_finetune.train import TrainConfig
 
     listed = hyperparameters(TrainConfig(data="x", workers=2, device="cpu", epochs=3, lr=1e-3).to_dict())
     assert listed["epochs"] == 3 and listed["lr"] == 1e-3 and listed["min_lr"] == 1e-6

@@ -20,9 +20,11 @@ from typer.testing import CliRunner
 
 from vit_finetune import create_model, save_pretrained
 from vit_finetune.cli import app
-from vit_finetune.config import load_recipe
+from vit_finetune.config import TrainConfig, load_recipe
+from vit_finetune.engine.api import finetune
+from vit_finetune.engine.trainer import Trainer
 from vit_finetune.errors import VitftError
-from vit_finetune.train import CHECKPOINT, TrainConfig, Trainer, finetune, load_checkpoint
+from vit_finetune.run_folder import CHECKPOINT, RunFolder
 
 REPO = Path(__file__).resolve().parents[1]
 # small and quick: a tiny pretrained-style checkpoint at 32 px, 2 epochs over 240 generated images
@@ -286,7 +288,7 @@ def test_resume_builds_data_and_ema_with_the_runs_preprocessing(two_classes, tmp
     weights = save_pretrained(model, tmp_path / "weights")
     out = tmp_path / "run"
     finetune(data=str(two_classes), pretrained=str(weights), output=str(out), ema=True, **TINIEST)
-    state = load_checkpoint(out)
+    state = RunFolder(out).read_checkpoint()
     trainer = Trainer(TrainConfig.from_dict({**state["config"], "epochs": 2}), out, state)
     expected = ((0.1, 0.2, 0.3), (0.4, 0.5, 0.6))
     assert _normalize(trainer.train_set.transform) == expected
@@ -306,7 +308,7 @@ def test_resume_matches_an_uninterrupted_run(two_classes, tiny_model_dir, tmp_pa
     finetune(output=str(tmp_path / "a"), **dict(options, epochs=2))
     finetune(resume=tmp_path / "a", epochs=4)
     finetune(output=str(tmp_path / "b"), **dict(options, epochs=4))
-    resumed, straight = load_checkpoint(tmp_path / "a"), load_checkpoint(tmp_path / "b")
+    resumed, straight = RunFolder(tmp_path / "a").read_checkpoint(), RunFolder(tmp_path / "b").read_checkpoint()
     assert resumed["global_step"] == straight["global_step"] == 12
     for key, value in straight["model"].items():
         torch.testing.assert_close(resumed["model"][key], value, atol=1e-6, rtol=1e-5, msg=key)
@@ -401,7 +403,7 @@ def test_resume_refuses_options_that_define_the_run(run):
     for option, value in (("seed", 5), ("val_split", 0.3), ("img_size", 48)):
         with pytest.raises(VitftError, match=f"keeps its own --{option.replace('_', '-')}"):
             finetune(resume=run[0], epochs=3, **{option: value})
-    assert load_checkpoint(run[0])["epoch"] == 2  # nothing ran
+    assert RunFolder(run[0]).read_checkpoint()["epoch"] == 2  # nothing ran
 
 
 def test_recipe_values_are_coerced_and_checked(tmp_path):
@@ -431,7 +433,7 @@ def test_max_steps_flag_and_warmup_that_covers_the_run(small_images, tiny_model_
     assert result.exit_code == 0, result.output
     assert "would cover most of this 1-epoch run" in result.output and "warmup 0.2 (capped from 1)" in result.output
     assert json.loads((out / "train_config.json").read_text())["max_steps_per_epoch"] == 5
-    assert load_checkpoint(out)["global_step"] == 5
+    assert RunFolder(out).read_checkpoint()["global_step"] == 5
 
 
 def test_from_scratch_metadata_is_honest(two_classes, tmp_path, monkeypatch):
@@ -461,8 +463,7 @@ def test_frozen_phase_runs_the_backbone_once_and_validates_as_evaluation_does(tw
     assert result.epochs_done == 6
     assert seen[0] == 16 + 4  # each training and validation image went through the backbone once, not 6 times
     best = create_model(f"local-dir:{tmp_path / 'probe'}", pretrained=True)
-    trainer.features = None
-    trainer.epoch = cfg.epochs  # past the frozen phase: validate() runs images through the whole model
+    trainer.state.epoch = cfg.epochs  # past the frozen phase: validate() runs images through the whole model
     assert trainer.validate(best)["val_top1"] == pytest.approx(result.best_top1)
     rows = _rows(tmp_path / "probe")
     assert len(rows) == 6 and float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"])
@@ -496,7 +497,7 @@ def test_head_phase_then_fine_tuning_with_its_own_schedule(two_classes, tiny_mod
 
 
 def test_feature_set_batches_and_views():
-    from vit_finetune.features import FeatureSet
+    from vit_finetune.engine.features import FeatureSet
 
     features = FeatureSet(torch.arange(10.0)[:, None], torch.arange(10), view_sizes=[6, 4])
     assert features.view(1).labels.tolist() == [6, 7, 8, 9] and features.view(2).labels.tolist() == list(range(6))
@@ -528,17 +529,17 @@ def _quiet_progress():
 
 def test_head_phase_checkpoints_at_most_once_a_minute_and_at_its_end(two_classes, tiny_model_dir, tmp_path,
                                                                     monkeypatch):
-    from vit_finetune import train
+    from vit_finetune.engine import phases
 
     saved = []
-    monkeypatch.setattr(train.Trainer, "save_checkpoint", lambda self: saved.append(self.epoch))
+    monkeypatch.setattr(Trainer, "save_checkpoint", lambda self: saved.append(self.state.epoch))
     cfg = TrainConfig(data=str(two_classes), pretrained=str(tiny_model_dir), freeze_backbone=True, val_split=0.2,
                       **dict(TINIEST, epochs=4))
     with _quiet_progress() as progress:
         Trainer(cfg, tmp_path / "a").run(progress)
     assert saved == [4]  # epochs of a second or less: only the last one is checkpointed
     saved.clear()
-    monkeypatch.setattr(train, "CHECKPOINT_INTERVAL_S", -1)  # as if each epoch took over a minute
+    monkeypatch.setattr(phases, "CHECKPOINT_INTERVAL_S", -1)  # as if each epoch took over a minute
     with _quiet_progress() as progress:
         Trainer(cfg, tmp_path / "b").run(progress)
     assert saved == [1, 2, 3, 4]

@@ -276,7 +276,8 @@ def test_finetune_first_lines_say_what_was_loaded(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from vit_finetune.train import TrainConfig, Trainer
+    from vit_finetune.config import TrainConfig
+    from vit_finetune.engine.trainer import Trainer
 
     _, folder = dinov2(tmp_path)
     rng = np.random.default_rng(0)

@@ -21,7 +21,7 @@ _PUBLIC = {  # name -> the module that defines it
     "VisionTransformer": "model",
     "resize_pos_embed": "pos_embed",
     "TrainConfig": "config",
-    "RunResult": "train", "finetune": "train",
+    "RunResult": "engine.trainer", "finetune": "engine.api",
     "create_model": "weights", "load_model": "weights", "save_pretrained": "weights",
 }
 
@@ -30,6 +30,8 @@ __all__ = sorted(_PUBLIC)
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on demand
     from .archs import ALIASES, list_archs  # noqa: F401
     from .config import TrainConfig  # noqa: F401
+    from .engine.api import finetune  # noqa: F401
+    from .engine.trainer import RunResult  # noqa: F401
     from .errors import VitftError  # noqa: F401
     from .evaluate import EvalReport, Prediction, evaluate, predict  # noqa: F401
     from .explain import Explanation, explain  # noqa: F401
@@ -37,7 +39,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from .hub.push import PushResult, push  # noqa: F401
     from .model import VisionTransformer  # noqa: F401
     from .pos_embed import resize_pos_embed  # noqa: F401
-    from .train import RunResult, finetune  # noqa: F401
     from .weights import create_model, load_model, save_pretrained  # noqa: F401
 
 

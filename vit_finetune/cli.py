@@ -148,24 +148,15 @@ def finetune_cmd(ctx: typer.Context, recipe: Optional[Path], resume: Optional[Pa
     Options given on the command line override the recipe's; the others take the recipe's value, else the
     default shown.
     """
-    from .train import finetune
+    from .engine.api import finetune
+    from .engine.distributed import is_main_process
 
     flags = {name: value for name, value in options.items()
              if ctx.get_parameter_source(name).name == "COMMANDLINE"}  # not the defaults: the recipe's win
     if "model_kwargs" in flags:
         flags["model_kwargs"] = _parse_kwargs(flags["model_kwargs"])
-    if resume is not None:
-        if recipe:
-            raise VitftError("--recipe is for new runs; with --resume, pass changed options as flags")
-        result = finetune(resume=resume, **flags)
-    else:
-        from .config import load_recipe
-
-        config = load_recipe(recipe) if recipe else {}
-        if recipe and "model_kwargs" in flags:
-            flags["model_kwargs"] = {**config.get("model_kwargs", {}), **flags["model_kwargs"]}
-        result = finetune({**config, **flags})
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one summary: rank 0's
+    result = finetune(resume=resume, recipe=recipe, **flags)
+    if is_main_process():  # under torchrun, one summary: rank 0's
         _summary(result)
 
 
@@ -184,12 +175,9 @@ command("finetune")(finetune_cmd)
 
 def _run_data(run_dir: Path) -> Optional[str]:
     """The data a run folder trained on, from its train_config.json."""
-    import json
+    from .run_folder import RunFolder
 
-    try:
-        return json.loads((Path(run_dir) / "train_config.json").read_text(encoding="utf-8")).get("data")
-    except (OSError, ValueError):
-        return None
+    return RunFolder(run_dir).train_config().get("data")
 
 
 @command("demo")
@@ -223,6 +211,9 @@ def _summary(result) -> None:
         table.add_row("last val top-1", f"{100 * last['val_top1']:.1f}%")
         table.add_row("last train loss", f"{last['train_loss']:.4f}")
     console.print(table)
+    if result.stop_reason:
+        console.print(f"stopped before --epochs: {escape(result.stop_reason)}; the best model (epoch "
+                      f"{result.best_epoch}) is kept", highlight=False, soft_wrap=True)
     if result.interrupted:
         console.print(f"[yellow]interrupted[/] after {_plural(result.epochs_done, 'epoch')}; continue with "
                       f"`vitft finetune --resume {escape(_quoted(result.run_dir))}`", highlight=False, soft_wrap=True)

@@ -80,6 +80,9 @@ class TrainConfig:
                                       help="Base learning rate while the backbone is frozen.")
     max_steps_per_epoch: Optional[int] = option(None, panel=OPTIMISATION, when_none="no cap", hyperparameter=False,
                                                 help="Cap the optimizer steps per epoch (quick looks, smoke tests).")
+    patience: Optional[int] = option(None, panel=OPTIMISATION, when_none="never stop early", metavar="EPOCHS",
+                                     help="Stop when val top-1 has not improved for this many epochs (the best "
+                                     "model is kept).")
     seed: int = option(0, panel=OPTIMISATION, help="Random seed (data split, initialisation, augmentation).")
     mixup: float = option(0.0, panel=AUGMENTATION, help="Mixup alpha (0 = off).")
     cutmix: float = option(0.0, panel=AUGMENTATION, help="CutMix alpha (0 = off).")
@@ -98,8 +101,11 @@ class TrainConfig:
     overwrite: bool = option(False, panel=OUTPUT, help="Replace an existing run folder.", hyperparameter=False)
     save_every: Optional[int] = option(None, panel=OUTPUT, help="Also checkpoint every N optimizer steps.",
                                        when_none="at every epoch end only", hyperparameter=False)
-    tensorboard: bool = option(False, panel=OUTPUT, help="Write TensorBoard logs to the run folder.",
-                               hyperparameter=False)
+    log_with: Optional[str] = option(None, panel=OUTPUT, metavar="TRACKERS", when_none="no tracker",
+                                     hyperparameter=False, help="Experiment trackers, comma-separated: "
+                                     "tensorboard (the run folder's tensorboard/), mlflow (MLFLOW_TRACKING_URI, "
+                                     "else the run folder's mlruns/).")
+    tensorboard: bool = option(False, panel=OUTPUT, help="Same as --log-with tensorboard.", hyperparameter=False)
     push_to_hub: Optional[str] = option(None, panel=OUTPUT, metavar="REPO", hyperparameter=False,
                                         help="Push the best model to this Hub repo when training ends.")
     quiet: bool = option(False, panel=OUTPUT, help="Log lines only, no progress bars.", hyperparameter=False)

@@ -44,9 +44,10 @@ def make_demo_data(folder: Union[str, Path], per_class: int = 150, seed: int = 0
 
 def demo(output: Union[str, Path] = "vitft-demo", epochs: int = 10, seed: int = 0) -> dict[str, Path]:
     """Generate data, fine-tune a tiny ViT on the CPU, evaluate it and export it; returns the paths."""
+    from .engine.api import finetune
     from .evaluate import evaluate
     from .hub.export import export
-    from .train import finetune
+    from .run_folder import RunFolder
 
     output = Path(output)
     data = make_demo_data(output / "data", seed=seed)
@@ -59,4 +60,4 @@ def demo(output: Union[str, Path] = "vitft-demo", epochs: int = 10, seed: int = 
     exported = export(run.run_dir, output / "export", overwrite=True)
     log.info("demo: val top-1 %.1f%% after %d epochs; evaluated again on those %d validation images: %.1f%%",
              100 * run.best_top1, run.epochs_done, report.num_images, 100 * report.accuracy)
-    return {"data": data, "run": run.run_dir, "report": run.run_dir / "report.json", "export": exported}
+    return {"data": data, "run": run.run_dir, "report": RunFolder(run.run_dir).report_file, "export": exported}

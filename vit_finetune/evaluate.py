@@ -38,6 +38,7 @@ from .files import atomic_write, printable, printable_tree
 from .model import VisionTransformer
 from .plots import confusion_figure, mistakes_figure, save_png, shown_mistakes
 from .pos_embed import _pair
+from .run_folder import RunFolder
 from .runtime import check_precision, compute_context, resolve_device
 from .weights import describe_weights, load_model
 
@@ -270,13 +271,12 @@ def _run_split(model: ModelLike, data: Union[str, os.PathLike]) -> Optional[tupl
     """(val_split, seed) of the run folder `model` when `data` is the folder it was trained on, else None."""
     if not isinstance(model, (str, os.PathLike)):
         return None
-    config = Path(str(model).removeprefix("local-dir:")).expanduser() / "config.json"
+    train = RunFolder(str(model).removeprefix("local-dir:")).vitft_info()["train"]
     try:
-        train = json.loads(config.read_text(encoding="utf-8"))["vitft"]["train"]
         same = os.path.realpath(os.path.expanduser(str(train["data"]))) == \
             os.path.realpath(os.path.expanduser(str(data)))
         return (float(train.get("val_split", 0.1)), int(train.get("seed", 0))) if same else None
-    except (OSError, ValueError, KeyError, TypeError):  # not a run folder (or not one of ours)
+    except (ValueError, KeyError, TypeError):  # not a run folder (or not one of ours)
         return None
 
 
@@ -500,7 +500,7 @@ def write_report(report: EvalReport, folder: Union[str, os.PathLike],
     save_png(confusion_figure(report), folder / "confusion_matrix.png")
     save_png(mistakes_figure(report.predictions, heatmaps=heatmaps), folder / "mistakes.png")
     text = json.dumps(printable_tree(report.to_dict()), indent=2) + "\n"
-    atomic_write(folder / "report.json", lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    RunFolder(folder).write_report(text)
     report.output = folder
     return folder
 

@@ -8,11 +8,11 @@ from typing import Any, Optional
 
 from ..errors import VitftError
 from ..refs import RefKind, parse_ref
+from ..run_folder import CURVES, as_dict
 from .onnx import onnx_usage
-from .run import PathLike, as_dict, check_run, read_report, run_info
+from .run import PathLike, check_run, read_report
 
 PLACEHOLDER_REPO = "<user>/<repo>"
-CARD_IMAGES = ("curves.png", "confusion_matrix.png")
 TAGS = ["image-classification", "timm", "vitft", "vision-transformer"]
 # TrainConfig fields that name weights or an architecture: public only as a Hub id or a timm name, never a path
 _WEIGHT_NAMES = ("pretrained", "model")
@@ -192,7 +192,7 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
     from ..files import printable
 
     run = check_run(run_dir)
-    info = run_info(run)
+    info = run.vitft_info()
     train, data, best = info["train"], info["data"], info["best"]
     if model is None:
         from ..weights import load_model
@@ -201,7 +201,7 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
     cfg = dict(model.pretrained_cfg)
     report = read_report(run)
     repo = repo_id or PLACEHOLDER_REPO
-    name = repo_id.split("/")[-1] if repo_id else run.resolve().name
+    name = repo_id.split("/")[-1] if repo_id else run.path.resolve().name
     base = base_model(train)
     dataset_id = _hub_dataset(dataset, data.get("root"), train.get("data"))
     dataset_name = dataset_id or _dataset_name(report.data.get("root") if report else None) \
@@ -246,7 +246,7 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
         out += ["## Labels\n", "| index | label |", "| ---: | --- |"]
         out += [f"| {i} | {_md(label)} |" for i, label in enumerate(labels)]
         out.append("")
-    if hyper or best or data.get("counts") or "curves.png" in images:
+    if hyper or best or data.get("counts") or CURVES in images:
         out.append("## Training\n")
         if data.get("layout"):
             out.append(f"Data layout: {_md(data['layout'])}.\n")
@@ -263,8 +263,8 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
             out += ["| hyperparameter | value |", "| --- | --- |"]
             out += [f"| {_md(k)} | {_md(v)} |" for k, v in hyper.items()]
             out.append("")
-        if "curves.png" in images:
-            out.append("![Training curves](curves.png)\n")
+        if CURVES in images:
+            out.append(f"![Training curves]({CURVES})\n")
     if report or "confusion_matrix.png" in images:
         out.append("## Evaluation\n")
     if report:

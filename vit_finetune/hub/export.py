@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import VitftError
-from .card import CARD_IMAGES, hyperparameters, model_card
+from ..run_folder import CARD_IMAGES, as_dict
+from .card import hyperparameters, model_card
 from .onnx import ONNX_FILES, export_onnx, require_onnx
-from .run import PathLike, as_dict, check_run, run_info
+from .run import PathLike, check_run
 
 log = logging.getLogger("vitft")
 
@@ -113,7 +114,7 @@ def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwri
     out = Path(out_dir).expanduser()
     if out.exists() and not out.is_dir():
         raise VitftError(f"{out} exists and is not a folder")
-    if out.resolve() == run.resolve():
+    if out.resolve() == run.path.resolve():
         raise VitftError(f"export into a new folder, not into the run folder {run} itself")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise VitftError(f"{out} already exists and is not empty; pass --overwrite to replace the exported files "
@@ -128,16 +129,16 @@ def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwri
     from ..files import plain_permissions
     from ..weights import load_model, save_pretrained
 
-    info = run_info(run)
+    info = run.vitft_info()
     _check_img_size(info["config"], img_size)
     model = load_model(str(run), img_size=img_size)
     staging = _staging_dir(out)
     try:
         save_pretrained(model, staging, extra_config={"vitft": _small_vitft_info(info)} if info["train"] else None,
                         dtype=getattr(torch, dtype))
-        images = tuple(name for name in CARD_IMAGES if (run / name).is_file())
+        images = run.card_images()
         for name in images:
-            shutil.copyfile(run / name, staging / name)
+            shutil.copyfile(run.path / name, staging / name)
         if onnx:
             export_onnx(model, staging)
         card = model_card(run, repo_id, model=model, dtype=dtype, dataset=dataset, images=images, onnx=onnx)

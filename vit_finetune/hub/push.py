@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from ..errors import VitftError
-from .card import CARD_IMAGES
+from ..run_folder import CARD_IMAGES
 from .export import dtype_name, export
 from .run import PathLike, check_run
 
@@ -144,7 +144,7 @@ def push(run_dir: PathLike, repo_id: str, token: Optional[str] = None, private: 
     run = check_run(run_dir)
     from ..weights import _weights_in
 
-    _weights_in(run)  # the cheap local checks first: nothing is created on the Hub for a broken run
+    _weights_in(run.path)  # the cheap local checks first: nothing is created on the Hub for a broken run
     repo_id = _check_repo_id(repo_id)
     dtype_name(dtype)
     if create_pr and revision not in (None, "main"):
@@ -157,7 +157,7 @@ def push(run_dir: PathLike, repo_id: str, token: Optional[str] = None, private: 
     from .. import __version__
 
     api = HfApi(token=token, library_name="vitft", library_version=__version__)
-    message = commit_message or f"Upload {run.resolve().name} with vitft"
+    message = commit_message or f"Upload {run.path.resolve().name} with vitft"
     # the Hub first (auth, permission and network problems show before the export's work) ...
     with _hub_step(f"creating the repo {repo_id}", repo_id):
         repo_url = api.create_repo(repo_id, private=True if private else None, exist_ok=True)

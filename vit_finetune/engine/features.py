@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .runtime import compute_context
+from ..runtime import compute_context
 
 ProgressFn = Callable[[int, int], None]  # (batches done, total)
 

@@ -1,0 +1,123 @@
+"""The trainer's parts seen from a run: early stopping, trackers (MLflow, TensorBoard) as callbacks, and
+`finetune(recipe=...)` merging a recipe with options as the command line does."""
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from conftest import make_images
+
+from vit_finetune.engine.api import finetune
+from vit_finetune.errors import VitftError
+from vit_finetune.run_folder import RunFolder
+
+# a linear probe on cached features: epochs of a fraction of a second
+PROBE = dict(epochs=2, batch_size=4, lr=0.02, workers=0, warmup_epochs=0, quiet=True, freeze_backbone=True,
+             val_split=0.2)
+
+
+@pytest.fixture(scope="module")
+def two_classes(tmp_path_factory) -> Path:
+    return make_images(tmp_path_factory.mktemp("two"), {"buildings": 10, "forest": 10})
+
+
+def test_patience_stops_the_run_says_why_and_keeps_the_best(two_classes, tiny_model_dir, tmp_path, caplog):
+    out = tmp_path / "run"
+    caplog.set_level("INFO", logger="vitft")
+    # an LR too small to change a prediction: val top-1 stays where epoch 1 left it
+    result = finetune(data=str(two_classes), pretrained=str(tiny_model_dir), output=str(out), patience=2,
+                      **dict(PROBE, epochs=10, lr=1e-12))
+    assert result.epochs_done == 3 and not result.interrupted
+    assert result.stop_reason.startswith("early stopping: val top-1 has not improved for 2 epochs")
+    assert any(r.getMessage().startswith("early stopping") and str(out) in r.getMessage() for r in caplog.records)
+    run = RunFolder(out)
+    assert json.loads(run.model_config_file.read_text())["vitft"]["best"]["epoch"] == result.best_epoch == 1
+    assert [int(r["epoch"]) for r in run.read_metrics()] == [1, 2, 3]
+    assert run.read_checkpoint()["epoch"] == 3  # checkpointed at the stop, though head-phase epochs are throttled
+    assert run.curves_file.is_file()
+
+
+def test_patience_must_be_positive(two_classes, tiny_model_dir, tmp_path):
+    with pytest.raises(VitftError, match="--patience must be at least 1"):
+        finetune(data=str(two_classes), pretrained=str(tiny_model_dir), output=str(tmp_path / "x"), patience=0,
+                 **PROBE)
+
+
+def test_mlflow_logs_params_metrics_and_curves_to_the_run_folder(two_classes, tiny_model_dir, tmp_path,
+                                                                  monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = tmp_path / "run"
+    finetune(data=str(two_classes), pretrained=str(tiny_model_dir), output=str(out), log_with="mlflow", **PROBE)
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlruns' / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("vitft").experiment_id])
+    assert run.info.status == "FINISHED" and run.info.run_name == "run"
+    assert run.data.params["epochs"] == "2" and run.data.params["freeze_backbone"] == "True"
+    history = client.get_metric_history(run.info.run_id, "val_top1")
+    rows = RunFolder(out).read_metrics()
+    assert [(m.step, m.value) for m in history] == [(int(r["epoch"]), float(r["val_top1"])) for r in rows]
+    assert {"train_loss", "val_loss", "lr"} <= set(run.data.metrics)
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["curves.png"]
+
+
+def test_a_missing_tracker_package_is_one_line_before_anything_is_written(two_classes, tiny_model_dir, tmp_path,
+                                                                          monkeypatch):
+    out = tmp_path / "run"
+    options = dict(data=str(two_classes), pretrained=str(tiny_model_dir), output=str(out), **PROBE)
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # as if not installed
+    missing = r"--log-with mlflow needs the mlflow package: .*pip install -e '\.\[mlflow\]'"
+    with pytest.raises(VitftError, match=missing):
+        finetune(log_with="mlflow", **options)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(VitftError, match="--log-with tensorboard needs the tensorboard package: pip install"):
+        finetune(tensorboard=True, **options)
+    with pytest.raises(VitftError, match="unknown tracker wandb in --log-with; use tensorboard, mlflow"):
+        finetune(log_with="wandb", **options)
+    assert not out.exists()
+
+
+class _Writer:
+    """A stand-in for TensorBoard's SummaryWriter (the package is optional): records what it is given."""
+
+    made: list[_Writer] = []
+
+    def __init__(self, log_dir: str):
+        self.log_dir, self.scalars, self.closed = log_dir, [], False
+        _Writer.made.append(self)
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.scalars.append((tag, value, step))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_tensorboard_alias_logs_steps_and_epochs_to_the_run_folder(two_classes, tiny_model_dir, tmp_path,
+                                                                    monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=_Writer))
+    out = tmp_path / "run"
+    result = finetune(data=str(two_classes), pretrained=str(tiny_model_dir), output=str(out), tensorboard=True,
+                      **PROBE)
+    [writer] = _Writer.made
+    assert writer.log_dir == str(out / "tensorboard") and writer.closed
+    steps = [step for tag, _, step in writer.scalars if tag == "train/loss"]
+    assert steps == list(range(1, RunFolder(out).read_checkpoint()["global_step"] + 1))
+    top1 = [(step, value) for tag, value, step in writer.scalars if tag == "val/top1"]
+    assert top1 == [(r["epoch"], r["val_top1"]) for r in result.metrics]
+
+
+def test_finetune_takes_a_recipe_and_overrides_it_as_the_cli_does(two_classes, tiny_model_dir, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"data: {two_classes}\npretrained: {tiny_model_dir}\nepochs: 5\nbatch_size: 4\nworkers: 0\n"
+                      "freeze_backbone: true\nval_split: 0.2\nmodel_kwargs: {drop_rate: 0.1}\nquiet: true\n")
+    out = tmp_path / "run"
+    result = finetune(recipe=recipe, epochs=1, output=str(out), model_kwargs={"attn_drop_rate": 0.2})
+    saved = RunFolder(out).train_config()
+    assert result.epochs_done == saved["epochs"] == 1 and saved["batch_size"] == 4  # the option, the recipe
+    assert saved["model_kwargs"] == {"drop_rate": 0.1, "attn_drop_rate": 0.2}  # merged key by key
+    with pytest.raises(VitftError, match="--recipe is for new runs"):
+        finetune(resume=out, recipe=recipe, epochs=2)

@@ -1,0 +1,317 @@
+"""A run, assembled from the engine's parts: the data, the model and its optimisation, a plan of phases, the
+step loop, the callbacks around it, and the state a checkpoint keeps. One loop for CPU, one GPU or many (DDP
+under torchrun), resumable at any step."""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.data.constants import DEFAULT_CROP_PCT
+
+from ..config import TrainConfig
+from ..data import DatasetSplits, ImageDataset, build_loader, build_transforms, find_dataset
+from ..errors import VitftError
+from ..evaluate import top_k_hits
+from ..progress import ProgressBar
+from ..run_folder import RunFolder
+from ..runtime import check_precision
+from ..weights import describe_weights
+from . import callbacks as cb
+from .distributed import all_sum, init_distributed
+from .loop import EpochResult, StopFlag, run_steps
+from .model_setup import build_model, is_scratch
+from .phases import PhasePlan
+from .schedule import build_schedule
+from .state import TrainState, model_from_checkpoint
+
+log = logging.getLogger("vitft")
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    best_top1: float
+    best_epoch: int
+    epochs_done: int
+    interrupted: bool
+    metrics: list[dict]
+    stop_reason: Optional[str] = None  # why the run ended before --epochs, other than a signal (early stopping)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, run_dir: Path, resume_state: Optional[dict] = None):
+        self.cfg = cfg
+        self.folder = RunFolder(run_dir)
+        self.ddp, self.device = init_distributed(cfg.device)
+        torch.manual_seed(cfg.seed + self.ddp.rank)
+        random.seed(cfg.seed + self.ddp.rank)
+        np.random.seed(cfg.seed + self.ddp.rank)
+        self.precision = cfg.precision if cfg.precision != "auto" else ("bf16" if self.device.type == "cuda"
+                                                                        else "fp32")
+        check_precision(self.device, self.precision)  # fail early
+
+        self.splits: DatasetSplits = find_dataset(cfg.data, cfg.val_split, cfg.seed)
+        if not self.splits.val:
+            raise VitftError(f"no validation images found in {cfg.data}; add a val/ folder or use --val-split")
+        self.classes = self.splits.classes
+        if len(self.classes) < 2:
+            raise VitftError(f"{cfg.data} has {len(self.classes)} class ({', '.join(self.classes)}): a classifier "
+                             "needs at least two class folders")
+        self.resumed = resume_state is not None
+        # a resumed run keeps its architecture and preprocessing: the data and the EMA copy are built from them
+        self.model = build_model(cfg, len(self.classes)) if resume_state is None else \
+            model_from_checkpoint(resume_state, self.classes, cfg.data)
+        self.model.pretrained_cfg["label_names"] = list(self.classes)
+        self.img_size = tuple(self.model.patch_embed.img_size)
+        self.model.to(self.device)
+        if cfg.grad_checkpointing:
+            self.model.set_grad_checkpointing(True)
+
+        self.plan = PhasePlan(cfg)
+        self._build_data()
+        self._build_optimization()
+        self.state = TrainState(cfg, self.model, self.optimizer, self.scaler, self.ema)
+        if resume_state is not None:
+            self.state.load_state_dict(resume_state)
+            # the schedule is a function of the step: rebuilt from this run's options, so more --epochs extend it
+            self.scheduler.step_update(self.state.global_step)
+        self.phase = self.plan.at(self.state.epoch)
+        self.phase.enter(self.model)  # after the optimizer is built: its groups hold every parameter
+        self._wrap()
+        # trackers are checked now (a missing package fails before anything is written), started with the run
+        self.trackers = [cb.make_tracker(name, self.folder) for name in cb.trackers(cfg)] if self.ddp.main else []
+        self.stop_reason: Optional[str] = None
+        self.checkpoint_due = False
+        self.data_wait = [0.0]
+
+    # -- setup
+    def _build_data(self) -> None:
+        cfg, pcfg = self.cfg, self.model.pretrained_cfg
+        self.train_tf = train_tf = build_transforms(
+            pcfg, self.img_size, train=True, scale=cfg.scale, ratio=cfg.ratio, hflip=cfg.hflip,
+            color_jitter=cfg.color_jitter, strong=cfg.strong_aug)
+        self.eval_tf = eval_tf = build_transforms(pcfg, self.img_size, train=False)
+        crop_pct = pcfg.get("crop_pct", DEFAULT_CROP_PCT)
+        self.train_set = ImageDataset(self.splits.train, train_tf, cache=cfg.cache, img_size=self.img_size,
+                                      crop_pct=crop_pct, name="train")
+        # each rank evaluates its own slice of the validation set, so nothing is counted twice; a rank left
+        # without images (fewer than processes) validates nothing and adds zeros to the sums
+        val_part = self.splits.val[self.ddp.rank::self.ddp.world]
+        self.val_set = ImageDataset(val_part, eval_tf, cache=cfg.cache, img_size=self.img_size, crop_pct=crop_pct,
+                                    return_index=True, name="val") if val_part else None
+        if len(self.train_set) < cfg.batch_size * self.ddp.world:
+            raise VitftError(f"only {len(self.train_set)} training images for a batch of {cfg.batch_size}; "
+                             "lower --batch-size")
+        device_type = self.device.type
+        self.train_loader = build_loader(self.train_set, cfg.batch_size, train=True, workers=cfg.workers,
+                                         device_type=device_type, distributed=self.ddp.enabled, seed=cfg.seed)
+        self.val_loader = build_loader(self.val_set, cfg.batch_size, train=False, workers=cfg.workers,
+                                       device_type=device_type, seed=cfg.seed) if self.val_set is not None else ()
+        if len(self.train_loader) < cfg.accum_steps:
+            raise VitftError(f"an epoch has {len(self.train_loader)} batches, fewer than --accum-steps "
+                             f"{cfg.accum_steps}; lower --accum-steps or --batch-size")
+        steps = len(self.train_loader) // cfg.accum_steps
+        if cfg.max_steps_per_epoch:
+            steps = min(steps, cfg.max_steps_per_epoch)
+        self.steps_per_epoch = steps
+        self.batches_per_epoch = steps * cfg.accum_steps  # leftover micro-batches would leak into the next step
+
+    def _build_optimization(self) -> None:
+        from timm.data import Mixup
+        from timm.loss import SoftTargetCrossEntropy
+        from timm.optim import create_optimizer_v2
+        from timm.utils import ModelEmaV3
+
+        cfg = self.cfg
+        self.effective_batch = cfg.batch_size * cfg.accum_steps * self.ddp.world
+        self.lr = cfg.lr * self.effective_batch / cfg.lr_base_size
+        layer_decay = cfg.layer_decay if cfg.layer_decay is not None else (None if is_scratch(cfg) else 0.75)
+        self.layer_decay = layer_decay if layer_decay and layer_decay < 1 else None
+        self.optimizer = create_optimizer_v2(self.model, opt=cfg.opt, lr=self.lr, weight_decay=cfg.weight_decay,
+                                             layer_decay=self.layer_decay)
+        schedule = build_schedule(self.optimizer, cfg, self.lr, self.effective_batch, self.plan.head_epochs,
+                                  self.steps_per_epoch, main=self.ddp.main)
+        self.scheduler, self.head_lr, self.warmup_epochs = schedule.scheduler, schedule.head_lr, schedule.warmup_epochs
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        self.mixup = None
+        if cfg.mixup > 0 or cfg.cutmix > 0:
+            self.mixup = Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, label_smoothing=cfg.label_smoothing,
+                               num_classes=len(self.classes))
+            self.train_loss_fn = SoftTargetCrossEntropy()
+        else:
+            self.train_loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+        self.head_loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)  # cached features: no mixup
+        self.ema = ModelEmaV3(self.model, decay=cfg.ema_decay, use_warmup=True) if cfg.ema else None
+
+    def _wrap(self) -> None:
+        """DDP and/or torch.compile around the model; re-done when the trainable set changes."""
+        module = self.model
+        if self.ddp.enabled:
+            module = nn.parallel.DistributedDataParallel(
+                module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        if self.cfg.compile:
+            module = torch.compile(module)
+        self.net = module
+
+    def _callbacks(self, progress: ProgressBar) -> cb.Callbacks:
+        """In order: early stopping decides first (a stop forces a checkpoint and the curves), then the files."""
+        callbacks: list[cb.Callback] = [cb.EarlyStopping(self.cfg.patience)] if self.cfg.patience else []
+        if self.ddp.main:
+            callbacks += [cb.BestModelSaver(self.folder), cb.MetricsLog(self.folder), *self.trackers]
+        return cb.Callbacks([*callbacks, cb.Progress(progress, self.ddp.main), cb.Checkpointer(self.cfg.save_every)])
+
+    # -- the run
+    def run(self, progress: ProgressBar) -> RunResult:
+        cfg, state = self.cfg, self.state
+        self.callbacks = self._callbacks(progress)
+        interrupted, status = False, "failed"
+        self.callbacks.on_run_start(self)
+        try:
+            with StopFlag() as self.stop_flag:
+                while state.epoch < cfg.epochs and not self.stop_reason:
+                    self._enter(self.plan.at(state.epoch))
+                    start, self.data_wait = time.perf_counter(), [0.0]
+                    self.callbacks.on_epoch_start(self)
+                    result = run_steps(self, self.phase.steps(self, progress))
+                    if result.interrupted:
+                        self.save_checkpoint()
+                        interrupted = True
+                        break
+                    self._end_epoch(result, time.perf_counter() - start)
+                    if state.epoch < cfg.epochs and not self.stop_reason and self.stop_requested():
+                        interrupted = True  # a signal in the last step or validation
+                        break
+            status = "interrupted" if interrupted else "finished"
+        finally:
+            self.callbacks.on_run_end(self, status)
+        return RunResult(self.folder.path, state.best_top1, state.best_epoch, state.epoch, interrupted, state.rows,
+                         self.stop_reason)
+
+    def _enter(self, phase) -> None:
+        if phase is self.phase:
+            return
+        if self.ddp.main:
+            log.info("epoch %d: %s", self.state.epoch + 1, phase.starts)
+        self.phase.leave()
+        self.phase = phase
+        phase.enter(self.model)
+        self._wrap()
+
+    def _end_epoch(self, result: EpochResult, seconds: float) -> None:
+        """Validate (the model, and its EMA), count the epoch, and hand its row to the callbacks."""
+        cfg, state, phase = self.cfg, self.state, self.phase
+        row = {"epoch": state.epoch + 1, "train_loss": round(result.loss, 5),
+               "lr": self.optimizer.param_groups[-1]["lr"], "images_per_s": round(result.images / seconds, 1),
+               "seconds": round(seconds, 1), "data_wait": round(self.data_wait[0] / seconds, 4)}
+        if self.device.type == "cuda":
+            row["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
+        candidates = [(self.model, self.validate(self.net if not cfg.compile else self.model))]
+        if self.ema is not None:
+            candidates.append((self.ema.module, self.validate(self.ema.module)))
+        best_model, scores = max(candidates, key=lambda c: c[1]["val_top1"])
+        row.update({k: (round(v, 5) if isinstance(v, float) else v) for k, v in scores.items()})
+        if self.ema is not None:
+            row["ema"] = best_model is self.ema.module
+        improved = state.record(scores["val_top1"])
+        state.rows.append(row)
+        self.checkpoint_due = phase.wants_checkpoint(state.epoch >= cfg.epochs or self.plan.at(state.epoch)
+                                                     is not phase)
+        self.callbacks.on_epoch_end(self, row, best_model if improved else None)
+
+    def optimizer_step(self) -> float:
+        """Clip, step, schedule and average (EMA) after a full batch; returns the LR of the next step."""
+        if self.cfg.clip_grad:
+            self.scaler.unscale_(self.optimizer)
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.global_step += 1
+        self.state.step_in_epoch += 1
+        self.scheduler.step_update(self.state.global_step)
+        if self.ema is not None:
+            self.ema.update(self.model, step=self.state.global_step)
+        return self.optimizer.param_groups[-1]["lr"]
+
+    def save_checkpoint(self) -> None:
+        self.phase.checkpointed()
+        if self.ddp.main:
+            self.folder.write_checkpoint(self.state.state_dict())
+
+    def stop(self, reason: str) -> None:
+        """End the run after this epoch, checkpointed, saying why (every rank decides alike)."""
+        self.stop_reason, self.checkpoint_due = reason, True
+
+    def stop_requested(self) -> bool:
+        """Whether any rank got a signal."""
+        return all_sum([1.0 if self.stop_flag.stop else 0.0], self.ddp, self.device)[0] > 0
+
+    @torch.inference_mode()
+    def validate(self, model: nn.Module) -> dict:
+        """Loss, top-1 and top-5 on this run's validation images, summed over all ranks."""
+        model.eval()
+        loss_sum = correct1 = correct5 = count = 0.0
+        for logits, targets in self.plan.at(self.state.epoch).logits(self, model):
+            loss_sum += F.cross_entropy(logits.float(), targets, reduction="sum").item()
+            top1, top5 = top_k_hits(logits, targets)
+            correct1 += top1.sum().item()
+            correct5 += top5.sum().item()
+            count += targets.numel()
+        loss_sum, correct1, correct5, count = all_sum([loss_sum, correct1, correct5, count], self.ddp, self.device)
+        if not count:
+            raise VitftError("none of the validation images could be decoded")
+        return {"val_loss": loss_sum / count, "val_top1": correct1 / count,
+                "val_top5": correct5 / count if len(self.classes) > 5 else None, "val_images": int(count)}
+
+    def describe(self) -> list[str]:
+        """The start-up lines: weights, data, device, optimisation, and the head phase."""
+        cfg = self.cfg
+        counts = self.splits.class_counts()
+        per_class = ", ".join(f"{c} {counts['train'].get(c, 0)}/{counts['val'].get(c, 0)}" for c in self.classes)
+        weights = describe_weights(self.model)
+        if self.resumed:  # the first line names the run's checkpoint, not the weights it started from
+            weights[0] = (f"weights: this run's checkpoint {self.folder.checkpoint_file} (the run started from "
+                          f"{self.model.pretrained_cfg.get('source')})")
+        warmup = f"{self.warmup_epochs:.3g}" + (f" (capped from {cfg.warmup_epochs})" if self.warmup_epochs !=
+                                                cfg.warmup_epochs else "")
+        lines = [
+            *weights,
+            f"data: {cfg.data} [{self.splits.layout}]: {len(self.classes)} classes, "
+            f"{len(self.splits.train)} train / {len(self.splits.val)} val images (train/val per class: {per_class})",
+            f"device: {self.device}{f' x{self.ddp.world} processes' if self.ddp.enabled else ''}, "
+            f"precision {self.precision}{', torch.compile' if cfg.compile else ''}; "
+            f"{self.train_loader.cpu_plan.describe()}",
+            f"optimizer: {cfg.opt}, effective batch {self.effective_batch} = {cfg.batch_size} x {cfg.accum_steps} "
+            f"accum x {self.ddp.world} proc; lr {self.lr:.3g} = {cfg.lr:g} x {self.effective_batch}/"
+            f"{cfg.lr_base_size}; layer decay {self.layer_decay or 'off'}; {cfg.epochs} epoch"
+            f"{'s' * (cfg.epochs != 1)} x {self.steps_per_epoch} steps, warmup {warmup}",
+        ]
+        if self.plan.head_epochs:
+            lines.append(self._describe_head_phase())
+        if getattr(self.model, "head_dist", None) is not None:
+            lines.append("distilled model (DeiT): no teacher, so both heads (head, head_dist) are trained on the "
+                         "labels through their mean, the model's output, as timm does")
+        if cfg.patience:
+            lines.append(f"early stopping: after {cfg.patience} epoch{'s' * (cfg.patience != 1)} without a better "
+                         "val top-1")
+        return lines
+
+    def _describe_head_phase(self) -> str:
+        cfg, head_epochs = self.cfg, self.plan.head_epochs
+        epochs = "every epoch" if head_epochs == cfg.epochs else f"epochs 1-{head_epochs}"
+        if cfg.feature_views == 0:
+            how = "the frozen backbone runs on freshly augmented images every epoch"
+        else:
+            views = "one un-augmented view" if cfg.feature_views == 1 else f"{cfg.feature_views} augmented views"
+            how = (f"its pooled features ({views} of each image) are computed once and the head trains on them"
+                   + (" (mixup/cutmix start with the backbone)" if self.mixup is not None else ""))
+        then = "" if head_epochs == cfg.epochs else "; then everything trains, with a schedule of its own"
+        return f"head phase, {epochs}: backbone frozen, head lr {self.head_lr:.3g}; {how}{then}"
