@@ -68,7 +68,8 @@ def test_a_missing_tracker_package_is_one_line_before_anything_is_written(two_cl
                                                                           monkeypatch):
     out = tmp_path / "run"
     options = dict(data=str(two_classes), pretrained=str(tiny_model_dir), output=str(out), **PROBE)
-    monkeypatch.setitem(sys.modules, "mlflow", None)  # as if not installed
+    for name in [m for m in sys.modules if m == "mlflow" or m.startswith("mlflow.")] + ["mlflow"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed (also after another test imported it)
     missing = r"--log-with mlflow needs the mlflow package: .*pip install -e '\.\[mlflow\]'"
     with pytest.raises(VitftError, match=missing):
         finetune(log_with="mlflow", **options)
