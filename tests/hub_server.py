@@ -1,23 +1,38 @@
 """A small Hugging Face Hub look-alike for tests: the endpoints the real huggingface_hub client calls
 to create a repo, upload a folder and download files, over plain HTTP on 127.0.0.1.
 
-Point a client at it with HF_ENDPOINT=server.url (in a subprocess: huggingface_hub reads HF_ENDPOINT
-at import time). Storage is in memory: repos hold commits (full file snapshots) and refs (branches
-and pull-request refs). Every file is uploaded "regular" (inline base64 in the commit), so nothing
-goes through LFS or Xet. Each request is recorded with its Authorization header; `fail` makes a
-route answer an HTTP error.
+Point a client at it with HF_ENDPOINT=server.url and HF_HUB_DISABLE_XET=1 (in a subprocess: huggingface_hub
+reads both at import time). Storage is in memory: repos hold commits (full snapshots of git blobs) and refs
+(branches and pull-request refs).
+
+Uploads take the paths the Hub assigns. preupload answers "lfs" for a file that the repo's .gitattributes sends to
+LFS (*.safetensors, *.bin), that is 10 MiB or more, or whose sample holds a NUL byte (binary), and "regular"
+otherwise. A regular file travels inline (base64) in the commit. An LFS file goes through the Git LFS batch API:
+the client POSTs {repo}.git/info/lfs/objects/batch, PUTs the bytes to the signed upload URL it is given (on a
+second port, `storage_url`: another origin, like the Hub's S3, so the client sends it no token), POSTs the verify
+URL, and the commit then names the object (sha256 and size); the commit stores the LFS pointer as git does.
+Downloads of an LFS file redirect, as the Hub does, to the storage origin with X-Linked-Etag (the sha256) and
+X-Linked-Size. Xet storage is not served: its token endpoint answers 501, so a client that tries Xet fails loudly
+(huggingface_hub uses Xet whenever hf_xet is installed, unless HF_HUB_DISABLE_XET is set).
+
+Each request is recorded with its Authorization header; `fail` makes a route answer an HTTP error.
 
 Endpoints: POST /api/repos/create, POST /api/validate-yaml, GET /api/whoami-v2,
 GET /api/models/{repo}[/revision/{rev}], POST /api/models/{repo}/preupload/{rev},
 POST /api/models/{repo}/commit/{rev}, POST /api/models/{repo}/branch/{branch},
 GET /api/models/{repo}/tree/{rev}[/{path}], POST /api/models/{repo}/discussions,
-GET /api/models/{repo}/discussions/{num}, HEAD and GET /{repo}/resolve/{rev}/{path}.
+GET /api/models/{repo}/discussions/{num}, HEAD and GET /{repo}/resolve/{rev}/{path},
+POST /{repo}.git/info/lfs/objects/batch and /{repo}.git/info/lfs/objects/verify; on the storage origin
+PUT and GET /lfs-objects/{sha256}.
 """
 from __future__ import annotations
 
 import base64
+import fnmatch
 import hashlib
+import hmac
 import json
+import re
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -26,6 +41,8 @@ from typing import Optional
 from urllib.parse import parse_qs, unquote, urlsplit
 
 GITATTRIBUTES = b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n*.bin filter=lfs diff=lfs merge=lfs -text\n"
+LFS_SIZE = 10 * 1024 * 1024  # files this large always go to LFS, whatever .gitattributes says
+LFS_POINTER = re.compile(rb"version https://git-lfs.github.com/spec/v1\noid sha256:([0-9a-f]{64})\nsize (\d+)\n")
 
 
 def _now() -> str:
@@ -35,6 +52,22 @@ def _now() -> str:
 
 def git_blob_sha1(content: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest()
+
+
+def lfs_pointer(oid: str, size: int) -> bytes:
+    """The git blob that stands for an LFS object (git-lfs spec v1)."""
+    return b"version https://git-lfs.github.com/spec/v1\noid sha256:%s\nsize %d\n" % (oid.encode(), size)
+
+
+def parse_lfs_pointer(blob: bytes) -> Optional[tuple[str, int]]:
+    """(sha256, size) of an LFS pointer blob, None for any other blob."""
+    match = LFS_POINTER.fullmatch(blob)
+    return (match.group(1).decode(), int(match.group(2))) if match else None
+
+
+def lfs_patterns(gitattributes: bytes) -> list[str]:
+    return [line.split()[0] for line in gitattributes.decode().splitlines()
+            if line.strip() and not line.startswith("#") and "filter=lfs" in line.split()[1:]]
 
 
 @dataclass
@@ -49,7 +82,7 @@ class Request:
 class Repo:
     repo_id: str
     private: bool
-    commits: dict = field(default_factory=dict)  # sha -> {"files": {path: bytes}, "parent", "message"}
+    commits: dict = field(default_factory=dict)  # sha -> {"files": {path: git blob}, "parent", "message"}
     refs: dict = field(default_factory=dict)  # "main", "branch", "refs/pr/1" -> sha
     discussions: dict = field(default_factory=dict)  # num -> {"title", "description"}
 
@@ -69,12 +102,13 @@ class HubServer:
         self.tokens = set(tokens) if tokens is not None else None  # None: any token is valid
         self.username = username
         self.repos: dict[str, Repo] = {}
+        self.lfs_objects: dict[str, bytes] = {}  # sha256 -> bytes, what LFS uploads stored
         self.requests: list[Request] = []
         self.fail: dict[tuple[str, str], int] = {}  # (method, route) -> status, e.g. ("POST", "create"): 403
         self.lock = threading.RLock()
         self._counter = 0
-        self._httpd: Optional[ThreadingHTTPServer] = None
-        self._thread: Optional[threading.Thread] = None
+        self._servers: list[tuple[ThreadingHTTPServer, threading.Thread]] = []  # the Hub, then the storage
+        self._signing_key = hashlib.sha256(str(id(self)).encode()).digest()
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> "HubServer":
@@ -83,18 +117,20 @@ class HubServer:
         class Handler(_Handler):
             hub = server
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="hub-server", daemon=True)
-        self._thread.start()
+        for name in ("hub-server", "hub-storage"):
+            httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+            httpd.daemon_threads = True
+            thread = threading.Thread(target=httpd.serve_forever, name=name, daemon=True)
+            thread.start()
+            self._servers.append((httpd, thread))
         return self
 
     def stop(self) -> None:
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._thread.join(timeout=5)
-            self._httpd = None
+        for httpd, thread in self._servers:
+            httpd.shutdown()
+            httpd.server_close()
+            thread.join(timeout=5)
+        self._servers = []
 
     def __enter__(self) -> "HubServer":
         return self.start()
@@ -104,14 +140,34 @@ class HubServer:
 
     @property
     def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
+        host, port = self._servers[0][0].server_address[:2]
         return f"http://{host}:{port}"
 
+    @property
+    def storage_url(self) -> str:
+        """The LFS storage's origin (another port: the client treats it as off the Hub, like S3)."""
+        host, port = self._servers[1][0].server_address[:2]
+        return f"http://{host}:{port}"
+
+    def signature(self, oid: str) -> str:
+        return hmac.new(self._signing_key, oid.encode(), "sha256").hexdigest()
+
     # ---- inspection ------------------------------------------------------------------------------------
-    def files(self, repo_id: str, revision: str = "main") -> dict[str, bytes]:
+    def blobs(self, repo_id: str, revision: str = "main") -> dict[str, bytes]:
+        """The git blobs of `revision`: file contents, and LFS pointers for LFS files."""
         with self.lock:
             repo = self.repos[repo_id]
             return dict(repo.commits[repo.refs[revision]]["files"])
+
+    def files(self, repo_id: str, revision: str = "main") -> dict[str, bytes]:
+        """The contents of `revision`'s files, as a download gets them (LFS pointers resolved)."""
+        with self.lock:
+            return {path: self._content(blob) for path, blob in self.blobs(repo_id, revision).items()}
+
+    def lfs_files(self, repo_id: str, revision: str = "main") -> dict[str, tuple[str, int]]:
+        """path -> (sha256, size) of the LFS files of `revision`."""
+        pointers = {path: parse_lfs_pointer(blob) for path, blob in self.blobs(repo_id, revision).items()}
+        return {path: pointer for path, pointer in pointers.items() if pointer is not None}
 
     def head(self, repo_id: str, revision: str = "main") -> str:
         with self.lock:
@@ -130,6 +186,10 @@ class HubServer:
         return [r.authorization for r in self.requests]
 
     # ---- storage helpers (called with the lock held) -------------------------------------------------------
+    def _content(self, blob: bytes) -> bytes:
+        pointer = parse_lfs_pointer(blob)
+        return blob if pointer is None else self.lfs_objects[pointer[0]]
+
     def _new_commit(self, repo: Repo, parent: Optional[str], files: dict, message: str) -> str:
         self._counter += 1
         digest = hashlib.sha1(f"{repo.repo_id}|{parent}|{message}|{self._counter}".encode())
@@ -177,9 +237,22 @@ class _Handler(BaseHTTPRequestHandler):
     def do_DELETE(self):
         self._handle("DELETE")
 
-    def _handle(self, method: str) -> None:
+    def _read_body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":  # how a streamed PUT may come
+            chunks = []
+            while True:
+                size = int(self.rfile.readline().split(b";")[0], 16)
+                chunk = self.rfile.read(size + 2)[:size]  # each chunk ends with CRLF
+                if not size:
+                    while self.rfile.readline().strip():  # trailers, then the closing CRLF
+                        pass
+                    return b"".join(chunks)
+                chunks.append(chunk)
         length = int(self.headers.get("Content-Length") or 0)
-        self.body = self.rfile.read(length) if length else b""
+        return self.rfile.read(length) if length else b""
+
+    def _handle(self, method: str) -> None:
+        self.body = self._read_body()
         parts = urlsplit(self.path)
         self.query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
         segments = [unquote(s) for s in parts.path.split("/")[1:]]
@@ -226,12 +299,24 @@ class _Handler(BaseHTTPRequestHandler):
                 return "branch", self._branch, (repo_id, rest[1])
             if len(rest) >= 2 and rest[0] == "tree" and method == "GET":
                 return "tree", self._tree, (repo_id, rest[1], "/".join(rest[2:]))
+            if len(rest) in (1, 2) and rest[0] == "xet-write-token":
+                return "xet", self._no_xet, ()
             if rest == ["discussions"] and method == "POST":
                 return "discussion", self._new_discussion, (repo_id,)
             if len(rest) == 2 and rest[0] == "discussions" and method == "GET":
                 return "discussion", self._discussion, (repo_id, rest[1])
         if len(seg) >= 5 and seg[2] == "resolve" and method in ("GET", "HEAD"):
             return "resolve", self._resolve, ("/".join(seg[:2]), seg[3], "/".join(seg[4:]), method)
+        if len(seg) == 6 and seg[1].endswith(".git") and seg[2:5] == ["info", "lfs", "objects"] and method == "POST":
+            repo_id = f"{seg[0]}/{seg[1][:-len('.git')]}"
+            if seg[5] == "batch":
+                return "lfs-batch", self._lfs_batch, (repo_id,)
+            if seg[5] == "verify":
+                return "lfs-verify", self._lfs_verify, (repo_id,)
+        if len(seg) == 2 and seg[0] == "lfs-objects" and method == "PUT":
+            return "lfs-upload", self._lfs_upload, (seg[1],)
+        if len(seg) == 2 and seg[0] == "lfs-objects" and method in ("GET", "HEAD"):
+            return "lfs-download", self._lfs_download, (seg[1], method)
         return "unknown", None, ()
 
     def _send(self, status: int, body: bytes = b"", headers: Optional[dict] = None,
@@ -317,12 +402,83 @@ class _Handler(BaseHTTPRequestHandler):
         with hub.lock:
             repo = hub._repo(repo_id, True)
             files = repo.commits[hub._sha(repo, revision)]["files"]
+        patterns = lfs_patterns(files.get(".gitattributes", b""))
         out = []
         for item in self._payload().get("files", []):
-            existing = files.get(item["path"])
-            out.append({"path": item["path"], "uploadMode": "regular", "shouldIgnore": False,
-                        "oid": git_blob_sha1(existing) if existing is not None else None})
+            path, size, sample = item["path"], int(item["size"]), base64.b64decode(item.get("sample", ""))
+            lfs = size >= LFS_SIZE or b"\0" in sample or any(
+                fnmatch.fnmatchcase(path if "/" in pattern else path.rsplit("/", 1)[-1], pattern)
+                for pattern in patterns)
+            existing = files.get(path)
+            pointer = parse_lfs_pointer(existing) if existing is not None else None
+            # the client compares this with its own oid: sha256 of the content for LFS, the git blob sha1 otherwise
+            oid = None if existing is None else pointer[0] if pointer else git_blob_sha1(existing)
+            out.append({"path": path, "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False, "oid": oid})
         self._json({"files": out, "commitOid": None})
+
+    def _no_xet(self) -> None:
+        raise HubError(501, "this test Hub serves no Xet storage: set HF_HUB_DISABLE_XET=1 to upload through LFS")
+
+    def _lfs_batch(self, repo_id: str) -> None:
+        """The Git LFS batch API (upload): signed upload and verify actions for the objects not yet stored."""
+        self._need_token()
+        payload = self._payload()
+        if payload.get("operation") != "upload" or payload.get("hash_algo", "sha256") != "sha256":
+            raise HubError(400, "this test Hub's LFS batch API only takes sha256 uploads")
+        if "basic" not in payload.get("transfers", ["basic"]):
+            raise HubError(400, "this test Hub's LFS batch API only serves the basic transfer")
+        hub = self.hub
+        objects = []
+        with hub.lock:
+            hub._repo(repo_id, True)
+            for obj in payload.get("objects", []):
+                oid, size = obj["oid"], int(obj["size"])
+                stored = hub.lfs_objects.get(oid)
+                if not re.fullmatch(r"[0-9a-f]{64}", oid):
+                    objects.append({"oid": oid, "size": size, "error": {"code": 422, "message": "invalid oid"}})
+                elif stored is not None and len(stored) != size:
+                    objects.append({"oid": oid, "size": size,
+                                    "error": {"code": 422, "message": f"stored with size {len(stored)}"}})
+                elif stored is not None:  # already there: no actions, the client skips the upload
+                    objects.append({"oid": oid, "size": size, "authenticated": True})
+                else:
+                    upload = f"{hub.storage_url}/lfs-objects/{oid}?size={size}&signature={hub.signature(oid)}"
+                    verify = f"{hub.url}/{repo_id}.git/info/lfs/objects/verify"
+                    objects.append({"oid": oid, "size": size, "authenticated": True,
+                                    "actions": {"upload": {"href": upload, "header": {}},
+                                                "verify": {"href": verify, "header": {}}}})
+        self._send(200, json.dumps({"transfer": "basic", "objects": objects}).encode(),
+                   content_type="application/vnd.git-lfs+json")
+
+    def _lfs_upload(self, oid: str) -> None:
+        """The signed PUT of the storage origin: the bytes must have the announced size and sha256."""
+        hub = self.hub
+        if not hmac.compare_digest(self.query.get("signature", ""), hub.signature(oid)):
+            raise HubError(403, "the upload URL's signature is invalid")
+        if len(self.body) != int(self.query.get("size", -1)) or hashlib.sha256(self.body).hexdigest() != oid:
+            raise HubError(400, f"the uploaded bytes are not the object {oid} of size {self.query.get('size')}")
+        with hub.lock:
+            hub.lfs_objects[oid] = self.body
+        self._send(200, b"", {"ETag": f'"{hashlib.md5(self.body).hexdigest()}"'})
+
+    def _lfs_verify(self, repo_id: str) -> None:
+        self._need_token()
+        payload = self._payload()
+        hub = self.hub
+        with hub.lock:
+            hub._repo(repo_id, True)
+            stored = hub.lfs_objects.get(payload.get("oid", ""))
+        if stored is None or len(stored) != payload.get("size"):
+            raise HubError(404, f"LFS object {payload.get('oid')} of size {payload.get('size')} was not uploaded")
+        self._json({"success": True})
+
+    def _lfs_download(self, oid: str, method: str) -> None:
+        with self.hub.lock:
+            content = self.hub.lfs_objects.get(oid)
+        if content is None:
+            raise HubError(404, "no such LFS object")
+        self._send(200, content, {"ETag": f'"{oid}"'}, content_type="application/octet-stream",
+                   send_body=method == "GET")
 
     def _commit(self, repo_id: str, revision: str) -> None:
         self._need_token()
@@ -346,6 +502,13 @@ class _Handler(BaseHTTPRequestHandler):
                     if value.get("encoding", "base64") != "base64":
                         raise HubError(400, "only base64 file content is supported")
                     files[value["path"]] = base64.b64decode(value["content"])
+                elif key == "lfsFile":
+                    oid, stored = value["oid"], hub.lfs_objects.get(value["oid"])
+                    if value.get("algo", "sha256") != "sha256" or stored is None or (
+                            "size" in value and value["size"] != len(stored)):
+                        raise HubError(422, f"Your push was rejected because an LFS pointer pointed to a file that "
+                                            f"does not exist ({value['path']}: {oid})")
+                    files[value["path"]] = lfs_pointer(oid, len(stored))
                 elif key == "deletedFile":
                     if value["path"] not in files:
                         raise HubError(404, "A file with this name doesn't exist", "EntryNotFound")
@@ -354,7 +517,7 @@ class _Handler(BaseHTTPRequestHandler):
                     prefix = value["path"].rstrip("/") + "/"
                     files = {p: c for p, c in files.items() if not p.startswith(prefix)}
                 else:
-                    raise HubError(400, f"unsupported commit operation {key!r} (no LFS/Xet on this server)")
+                    raise HubError(400, f"unsupported commit operation {key!r}")
             sha = hub._new_commit(repo, parent, files, header.get("summary", ""))
             pr_url = None
             if create_pr:
@@ -392,7 +555,12 @@ class _Handler(BaseHTTPRequestHandler):
             if "/" in rel and not recursive:
                 folders.add(prefix + rel.split("/")[0])
                 continue
-            entries.append({"type": "file", "path": name, "size": len(files[name]), "oid": git_blob_sha1(files[name])})
+            entry = {"type": "file", "path": name, "size": len(files[name]), "oid": git_blob_sha1(files[name])}
+            pointer = parse_lfs_pointer(files[name])
+            if pointer is not None:
+                entry.update(size=pointer[1], lfs={"oid": pointer[0], "size": pointer[1],
+                                                   "pointerSize": len(files[name])})
+            entries.append(entry)
         entries += [{"type": "directory", "path": f, "oid": hashlib.sha1(f.encode()).hexdigest()}
                     for f in sorted(folders)]
         self._json(entries)
@@ -431,6 +599,13 @@ class _Handler(BaseHTTPRequestHandler):
         if content is None:
             raise HubError(404, "Entry not found", "EntryNotFound", headers={"X-Repo-Commit": sha})
         etag = git_blob_sha1(content)
+        pointer = parse_lfs_pointer(content)
+        if pointer is not None:  # as the Hub does: a redirect to the storage, the object's sha256 and size
+            oid, size = pointer
+            self._send(302, b"", {"X-Repo-Commit": sha, "ETag": f'"{etag}"', "X-Linked-Etag": f'"{oid}"',
+                                  "X-Linked-Size": str(size), "Location": f"{hub.storage_url}/lfs-objects/{oid}"},
+                       send_body=False)
+            return
         self._send(200, content, {"X-Repo-Commit": sha, "ETag": f'"{etag}"', "Accept-Ranges": "none"},
                    content_type="application/octet-stream", send_body=method == "GET")
 

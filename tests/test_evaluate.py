@@ -52,14 +52,43 @@ def run_dir(small_images, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def eval_data(class_images, tmp_path_factory) -> Path:
-    """8 images per class, a single folder of class folders (evaluated whole)."""
-    return make_subset(class_images, tmp_path_factory.mktemp("eval8"), 8)
+    """8 images per class, a single folder of class folders (evaluated whole). The last 2 of each class are images
+    of the next class (mislabelled), so that the trained model makes mistakes to count."""
+    data = make_subset(class_images, tmp_path_factory.mktemp("eval8"), 6)
+    for i, name in enumerate(CLASSES):
+        for image in sorted((class_images / CLASSES[(i + 1) % len(CLASSES)]).iterdir())[50:52]:
+            (data / name / image.name).symlink_to(image)
+    return data
 
 
 @pytest.fixture(scope="module")
 def cli_eval(run_dir, eval_data):
     """`vitft evaluate RUN --data DIR` once, output in the run folder (the default for a local folder)."""
-    return invoke("evaluate", run_dir, "--data", eval_data, "--workers", 0, "--batch-size", 16)
+    return invoke("evaluate", run_dir, "--data", eval_data, "--workers", 0, "--batch-size", 16, "--device", "cpu")
+
+
+def image_key(path) -> str:
+    """class/file name: how a test names an image whatever the folder it was reached through."""
+    return "/".join(Path(path).parts[-2:])
+
+
+@pytest.fixture(scope="module")
+def timm_reference(run_dir, eval_data) -> dict:
+    """What evaluate must find, computed without vitft: the run folder loaded by timm.create_model('local-dir:'),
+    each image through timm's own eval transform (resolve_model_data_config + create_transform, PIL), softmax on
+    the CPU. 'tta': the mean of the softmax of the image and of its horizontal mirror (the model input flipped)."""
+    import timm
+
+    model = timm.create_model(f"local-dir:{run_dir}", pretrained=True).eval()
+    assert type(model).__module__ == "timm.models.vision_transformer"
+    transform = timm.data.create_transform(**timm.data.resolve_model_data_config(model), is_training=False)
+    paths = sorted(eval_data.glob("*/*"))
+    x = torch.stack([transform(Image.open(p).convert("RGB")) for p in paths])
+    with torch.no_grad():
+        plain = model(x).softmax(dim=-1)
+        mirrored = model(x.flip(dims=[-1])).softmax(dim=-1)
+    labels = torch.tensor([CLASSES.index(p.parent.name) for p in paths])
+    return {"keys": [image_key(p) for p in paths], "labels": labels, "plain": plain, "tta": (plain + mirrored) / 2}
 
 
 def _read_csv(path: Path) -> list[dict]:
@@ -77,15 +106,19 @@ def test_evaluate_writes_all_files_in_the_run_folder(cli_eval, run_dir):
     assert not list(run_dir.glob(".*.tmp"))  # atomic writes leave no temporary files
 
 
-def test_printed_and_saved_numbers_match_a_hand_count(cli_eval, run_dir, eval_data):
+def test_printed_and_saved_numbers_match_a_hand_count(cli_eval, run_dir, eval_data, timm_reference):
+    """The predictions come from timm's own pipeline (timm_reference); every number is counted from them."""
     assert cli_eval.exit_code == 0, cli_eval.output
     rows = _read_csv(run_dir / "predictions.csv")
     report = json.loads((run_dir / "report.json").read_text())
     n = len(rows)
     assert n == 8 * len(CLASSES) == report["num_images"] == report["data"]["num_images"]
-    assert len({r["predicted_label"] for r in rows}) > 1  # the trained model does not predict a constant
-    correct = sum(r["true_label"] == r["predicted_label"] for r in rows)
-    assert report["accuracy"] == pytest.approx(correct / n)
+    expected = {key: (CLASSES[label], CLASSES[int(probs.argmax())]) for key, label, probs in zip(
+        timm_reference["keys"], timm_reference["labels"], timm_reference["plain"])}
+    assert {image_key(r["path"]): (r["true_label"], r["predicted_label"]) for r in rows} == expected
+    assert len({predicted for _, predicted in expected.values()}) > 1  # the trained model does not predict a constant
+    correct = int((timm_reference["plain"].argmax(dim=1) == timm_reference["labels"]).sum())
+    assert 0 < correct < n and report["accuracy"] == pytest.approx(correct / n)
     assert 0 <= report["accuracy"] <= 1
     out = cli_eval.stdout
     assert re.search(r"top-1 accuracy\s+([\d.]+)%", out).group(1) == f"{100 * correct / n:.1f}"
@@ -114,21 +147,42 @@ def test_printed_and_saved_numbers_match_a_hand_count(cli_eval, run_dir, eval_da
     assert all(p["count"] == hand[(p["true"], p["predicted"])] for p in pairs)
 
 
+@pytest.mark.parametrize("tta", [False, True])
+def test_evaluate_gives_timms_probabilities(run_dir, eval_data, timm_reference, tta):
+    """Per image, the predicted label and its probability are timm's (1e-5), and so is the loss; with TTA they are
+    the flip average's, which moves the probabilities by far more than the tolerance."""
+    report = evaluate(str(run_dir), eval_data, tta=tta, workers=0, device="cpu")
+    probs, labels = timm_reference["tta" if tta else "plain"], timm_reference["labels"]
+    assert (timm_reference["tta"] - timm_reference["plain"]).abs().max() > 1e-3  # 100x the tolerance
+    rows = {image_key(p["path"]): p for p in report.predictions}
+    assert sorted(rows) == timm_reference["keys"]
+    for key, row_probs in zip(timm_reference["keys"], probs):
+        assert rows[key]["predicted_label"] == CLASSES[int(row_probs.argmax())]
+        assert rows[key]["confidence"] == pytest.approx(float(row_probs.max()), abs=1e-5, rel=0)
+    assert report.loss == pytest.approx(float(-probs[torch.arange(len(labels)), labels].log().mean()), abs=1e-5)
+    assert report.accuracy == pytest.approx(float((probs.argmax(dim=1) == labels).float().mean()))
+
+
 def test_tta_and_another_resolution(run_dir, eval_data, tmp_path):
     result = invoke("evaluate", run_dir, "--data", eval_data, "--workers", 0, "--tta", "--img-size", 48,
-                    "--output", tmp_path / "out")
+                    "--device", "cpu", "--output", tmp_path / "out")
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["preprocessing"]["img_size"] == [48, 48] and report["preprocessing"]["tta"] is True
     assert np.array(report["confusion"]).sum() == report["num_images"] == 48
-    assert len(_read_csv(tmp_path / "out" / "predictions.csv")) == 48
+    rows = {r["path"]: float(r["confidence"]) for r in _read_csv(tmp_path / "out" / "predictions.csv")}
+    assert len(rows) == 48
+    for tta in (True, False):  # the flag reaches the computation: --tta is the library's tta=True, not tta=False
+        library = evaluate(str(run_dir), eval_data, tta=tta, img_size=48, workers=0, device="cpu").predictions
+        differences = [abs(rows[p["path"]] - p["confidence"]) for p in library]
+        assert max(differences) <= 1e-6 if tta else max(differences) > 1e-4  # the CSV rounds to 6 decimals
 
 
 def test_library_evaluate_on_a_built_model(run_dir, eval_data, cli_eval, tmp_path):
     from vit_finetune import load_model
 
     model = load_model(str(run_dir))
-    report = evaluate(model, eval_data, workers=0)
+    report = evaluate(model, eval_data, workers=0, device="cpu")
     assert isinstance(report, EvalReport) and report.output is None  # no output: nothing written
     saved = json.loads((run_dir / "report.json").read_text())
     assert report.accuracy == pytest.approx(saved["accuracy"])
@@ -227,14 +281,14 @@ def test_predict_jsonl_file_with_workers(run_dir, messy_folder, tmp_path):
 
 
 def test_library_predict(run_dir, messy_folder, eval_data, cli_eval):
-    rows = list(predict(str(run_dir), [messy_folder / "seg_pred"], top_k=10, workers=0, batch_size=4))
+    rows = list(predict(str(run_dir), [messy_folder / "seg_pred"], top_k=10, workers=0, batch_size=4, device="cpu"))
     assert all(isinstance(r, Prediction) for r in rows) and len(rows) == 9
     assert [r.path for r in rows] == sorted(r.path for r in rows)
     good = [r for r in rows if r.error is None]
     assert len(good) == 6 and all(len(r.labels) == 6 and sum(r.probs) == pytest.approx(1, abs=1e-4) for r in good)
     # the same images get the same top-1 label and confidence as in evaluate's predictions.csv
     evaluated = {r["path"]: r for r in _read_csv(run_dir / "predictions.csv")}
-    predicted = {r.path: r for r in predict(str(run_dir), str(eval_data), workers=0)}
+    predicted = {r.path: r for r in predict(str(run_dir), str(eval_data), workers=0, device="cpu")}
     assert set(predicted) == set(evaluated)
     for path, r in predicted.items():
         assert r.label == evaluated[path]["predicted_label"]

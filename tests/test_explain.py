@@ -4,9 +4,12 @@ The maps are checked on models whose attention is rigged through the real Attent
 zeroed except that every query is a constant vector along feature 0 and every key reads feature 0 of the normed
 token, and the position embedding gives one patch +50 and every other token -10 on feature 0. After LayerNorm that
 patch's key stands out by ~11 standard units, so every query of every head attends to it (checked, > 0.99).
+Rigged attention is the same in every layer, so the formulas that combine layers are checked on a "scrambled"
+model instead (large random q and k projections), against rollout and gradcam computed by hand.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -121,6 +124,60 @@ def test_gradcam_peaks_at_the_attended_patch_for_each_class_it_explains(kind):
             else:
                 assert grid.abs().max() <= 1e-6
     assert explained > 0
+
+
+def scrambled(**kwargs):
+    """A 3-block tiny model whose q and k projections are large and random: each layer and head attends
+    differently and unevenly, so that any mistake in how the maps combine the layers changes them."""
+    model = tiny(depth=3, **kwargs)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for block in model.blocks:
+            qk = block.attn.qkv.weight[: 2 * model.embed_dim]
+            qk.copy_(torch.randn(qk.shape, generator=generator) * 0.4)
+        model.head.weight.copy_(torch.randn(model.head.weight.shape, generator=generator))
+    return model
+
+
+def readout(matrix: torch.Tensor, model) -> torch.Tensor:
+    """The row(s) the classifier pools, read off an (B, N, N) relevance: the class token's, or the mean of the patch
+    rows (average pooling); then the patch columns only."""
+    prefix = model.num_prefix_tokens
+    rows = matrix[:, 0] if model.global_pool == "token" else matrix[:, prefix:].mean(dim=1)
+    return rows[:, prefix:]
+
+
+@pytest.mark.parametrize("kind", ["token", "avg+registers"])
+def test_rollout_and_gradcam_are_the_published_formulas(kind):
+    """Both maps, computed by hand in float64 from each layer's captured attention (and its gradient):
+    rollout (Abnar and Zuidema 2020): per layer A' = 0.5 * mean_heads(A) + 0.5 * I, rows renormalised, and
+    R = A'_L ... A'_2 A'_1 (first layer on the right); gradcam (Chefer et al. 2021, eqs. 5-6): per layer
+    Abar = mean_heads(max(dy_t/dA * A, 0)), R <- R + Abar R from R = I, read from R - I."""
+    model = scrambled(**MODELS[kind])
+    x = torch.randn(2, 3, 32, 48, generator=torch.Generator().manual_seed(6))
+    target = 2
+    with capture_attention(model, lambda a: a) as attns, torch.enable_grad():
+        logits = model(x.requires_grad_(True))
+        grads = torch.autograd.grad(logits[:, target].sum(), attns)
+    attns, grads = [a.detach().double() for a in attns], [g.double() for g in grads]
+    assert len(attns) == 3
+    means = [a.mean(dim=1) for a in attns]
+    assert min((a - b).abs().max() for a, b in itertools.combinations(means, 2)) > 0.1  # the layers differ
+    assert min(float(m.max(dim=-1).values.min()) for m in means) > 2 / means[0].shape[-1]  # and are not uniform
+    eye = torch.eye(means[0].shape[-1], dtype=torch.float64)
+
+    rollout = eye
+    for mean in means:
+        layer = 0.5 * mean + 0.5 * eye
+        rollout = (layer / layer.sum(dim=-1, keepdim=True)) @ rollout
+    relevance = eye
+    for attn, grad in zip(attns, grads):
+        relevance = relevance + (grad * attn).clamp(min=0).mean(dim=1) @ relevance
+
+    for method, expected in (("rollout", readout(rollout, model)), ("gradcam", readout(relevance - eye, model))):
+        _, grids, _, _ = attention_maps(model, x, method, target)
+        got = grids.reshape(len(x), -1).double()
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6 * float(expected.abs().max()), msg=method)
 
 
 @pytest.mark.parametrize("kind", [*MODELS, "qk_norm"])

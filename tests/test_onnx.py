@@ -90,7 +90,7 @@ def test_onnx_round_trip_matches_pytorch(variant, tmp_path):
     assert shapes["pixel_values"] == (["batch", 3, 32, 32], float32)
     assert shapes["logits"] == (["batch", len(CLASSES)], float32)
     model_proto = onnx.load(str(check.path))
-    assert max(o.version for o in model_proto.opset_import if o.domain in ("", "ai.onnx")) >= 17
+    assert [o.version for o in model_proto.opset_import if o.domain in ("", "ai.onnx")] == [18]  # README: opset 18
     assert {i.data_type for i in model_proto.graph.initializer if i.data_type in (1, 10, 11, 16)} == {float32}
 
 
