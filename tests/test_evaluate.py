@@ -16,9 +16,13 @@ from conftest import CLASSES, TINY, invoke_cli, make_subset
 from PIL import Image
 
 from vit_finetune import create_model, save_pretrained
-from vit_finetune.data import ImageDataset, build_transforms, find_dataset
+from vit_finetune.data.datasets import find_dataset
+from vit_finetune.data.loaders import ImageDataset
+from vit_finetune.data.transforms import build_transforms
 from vit_finetune.errors import VitftError
-from vit_finetune.evaluate import EvalReport, Prediction, evaluate, predict
+from vit_finetune.tasks.evaluate import evaluate
+from vit_finetune.tasks.predict import Prediction, predict
+from vit_finetune.tasks.report import EvalReport
 
 BOX_CHARS = "─│┃━┏┓┗┛┡┩╇╷╵"
 
@@ -128,7 +132,7 @@ def test_library_evaluate_on_a_built_model(run_dir, eval_data, cli_eval, tmp_pat
     from vit_finetune import load_model
 
     model = load_model(str(run_dir))
-    report = evaluate(model, eval_data, workers=0)
+    report = evaluate(model, eval_data, workers=0, output=None)
     assert isinstance(report, EvalReport) and report.output is None  # no output: nothing written
     saved = json.loads((run_dir / "report.json").read_text())
     assert report.accuracy == pytest.approx(saved["accuracy"])
@@ -139,7 +143,7 @@ def test_library_evaluate_on_a_built_model(run_dir, eval_data, cli_eval, tmp_pat
 
 def test_model_classes_missing_from_the_data_are_reported(run_dir, class_images, tmp_path):
     data = make_subset(class_images, tmp_path / "two", 4, classes=["forest", "sea"])
-    report = evaluate(str(run_dir), data, workers=0)
+    report = evaluate(str(run_dir), data, workers=0, output=None)
     assert report.num_images == 8
     assert report.absent_classes == ["buildings", "glacier", "mountain", "street"]
     assert report.per_class["glacier"]["support"] == 0 and report.per_class["glacier"]["recall"] is None
@@ -162,10 +166,11 @@ def test_model_without_label_names(eval_data, class_images, tmp_path):
     torch.manual_seed(0)
     model = create_model("vit_tiny_patch16_224", num_classes=6, **TINY)
     assert "label_names" not in model.pretrained_cfg
-    report = evaluate(model, eval_data, workers=0)  # 6 outputs, 6 classes: the data's names are used
+    report = evaluate(model, eval_data, workers=0, output=None)  # 6 outputs, 6 classes: the data's names are used
     assert report.classes == CLASSES and report.model["label_names_from"] == "data"
     with pytest.raises(VitftError, match="no label names"):
-        evaluate(model, make_subset(class_images, tmp_path / "two", 2, classes=["forest", "sea"]), workers=0)
+        evaluate(model, make_subset(class_images, tmp_path / "two", 2, classes=["forest", "sea"]), workers=0,
+                 output=None)
 
 
 def test_split_selection(run_dir, class_images, tmp_path):
@@ -175,11 +180,11 @@ def test_split_selection(run_dir, class_images, tmp_path):
             (root / split / name).mkdir(parents=True)
             for image in sorted((class_images / name).iterdir())[offset:offset + 2]:
                 (root / split / name / image.name).symlink_to(image)
-    report = evaluate(str(run_dir), root, workers=0)
+    report = evaluate(str(run_dir), root, workers=0, output=None)
     assert report.data["split"] == "test" and all("/test/" in p["path"] for p in report.predictions)
-    assert evaluate(str(run_dir), root, split="val", workers=0).data["split"] == "val"
+    assert evaluate(str(run_dir), root, split="val", workers=0, output=None).data["split"] == "val"
     with pytest.raises(VitftError, match="unknown split"):
-        evaluate(str(run_dir), root, split="dev", workers=0)
+        evaluate(str(run_dir), root, split="dev", workers=0, output=None)
 
 
 @pytest.fixture
@@ -321,14 +326,14 @@ def own_run(run_dir, eval_data, tmp_path_factory) -> Path:
 
 def test_a_run_is_evaluated_on_its_own_validation_split(own_run, eval_data, class_images, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="vitft")
-    report = evaluate(str(own_run), eval_data, workers=0)
+    report = evaluate(str(own_run), eval_data, workers=0, output=None)
     expected = find_dataset(eval_data, 0.25, 3).val
     assert report.data["split"] == "val" and "split 75/25 (seed 3)" in report.data["layout"]
     assert sorted(p["path"] for p in report.predictions) == sorted(str(p) for p, _ in expected)
     assert "the run's own split" in caplog.text and "seed 3" in caplog.text
     # another folder (the same images, linked again) is not the run's data: evaluated whole, as before
     other = make_subset(class_images, tmp_path / "other", 8)
-    assert evaluate(str(own_run), other, workers=0).data["split"] == "all"
+    assert evaluate(str(own_run), other, workers=0, output=None).data["split"] == "all"
     # a run trained on a train/ + val/ layout: its val folder, whatever the run's val_split says
     make_subset(class_images, tmp_path / "tv" / "train", 2)
     make_subset(class_images, tmp_path / "tv" / "val", 1)
@@ -336,7 +341,7 @@ def test_a_run_is_evaluated_on_its_own_validation_split(own_run, eval_data, clas
     config["vitft"]["train"]["data"] = str(tmp_path / "tv")
     (own_run / "config.json").write_text(json.dumps(config))
     try:
-        assert evaluate(str(own_run), tmp_path / "tv", workers=0).data == {
+        assert evaluate(str(own_run), tmp_path / "tv", workers=0, output=None).data == {
             "root": str(tmp_path / "tv"), "split": "val", "layout": "train/ + val/", "num_images": 6, "num_skipped": 0}
     finally:
         config["vitft"]["train"]["data"] = str(eval_data)
@@ -350,7 +355,8 @@ def test_evaluate_val_split_option(own_run, eval_data, run_dir, tmp_path):
     report = json.loads((tmp_path / "half" / "report.json").read_text())
     expected = find_dataset(eval_data, 0.5, 1).val
     assert report["data"]["split"] == "val" and report["num_images"] == len(expected) == 24
-    assert evaluate(str(run_dir), eval_data, workers=0).data["split"] == "all"  # no run config: whole folder
+    # no run config: the whole folder
+    assert evaluate(str(run_dir), eval_data, workers=0, output=None).data["split"] == "all"
 
 
 def test_predict_fails_when_no_file_is_an_image(run_dir, tmp_path):

@@ -41,7 +41,7 @@ def test_weights_load_from_a_folder_whose_name_is_not_utf8(tmp_path):
 
 
 def test_explain_writes_names_that_are_not_utf8(tmp_path):
-    from vit_finetune.explain import explain
+    from vit_finetune.tasks.explain import explain
 
     images = tmp_path / NOT_UTF8
     images.mkdir()

@@ -7,7 +7,8 @@ import torch
 from PIL import Image
 
 from vit_finetune import runtime
-from vit_finetune.data import ImageDataset, build_loader, build_transforms
+from vit_finetune.data.loaders import ImageDataset, build_loader
+from vit_finetune.data.transforms import build_transforms
 from vit_finetune.runtime import fit_cpu_threads
 
 CPU = torch.device("cpu")

@@ -44,8 +44,8 @@ def make_demo_data(folder: Union[str, Path], per_class: int = 150, seed: int = 0
 
 def demo(output: Union[str, Path] = "vitft-demo", epochs: int = 10, seed: int = 0) -> dict[str, Path]:
     """Generate data, fine-tune a tiny ViT on the CPU, evaluate it and export it; returns the paths."""
-    from .evaluate import evaluate
     from .hub import export
+    from .tasks.evaluate import evaluate
     from .train import finetune
 
     output = Path(output)

@@ -83,7 +83,7 @@ def _read_json(path: Path) -> Optional[dict]:
 
 def _read_report(run: Path):
     """The run's evaluation report (report.json), if it has a readable one."""
-    from .evaluate import EvalReport
+    from .tasks.report import EvalReport
 
     if not (run / "report.json").is_file():
         return None

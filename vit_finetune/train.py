@@ -32,14 +32,16 @@ from timm.data.constants import DEFAULT_CROP_PCT
 
 from .archs import get_arch
 from .config import TrainConfig
-from .data import DatasetSplits, ImageDataset, build_loader, build_transforms, find_dataset
+from .data.datasets import DatasetSplits, find_dataset
+from .data.loaders import ImageDataset, build_loader, requested_batches
+from .data.transforms import build_transforms
 from .errors import VitftError
-from .evaluate import top_k_hits
 from .features import FeatureSet, extract_features
 from .files import atomic_write
 from .progress import ProgressBar
 from .refs import RefKind, parse_ref
 from .runtime import check_precision, compute_context, resolve_device
+from .tasks.inference import top_k_hits
 from .weights import create_model, describe_weights, save_pretrained
 
 log = logging.getLogger("vitft")
@@ -171,7 +173,7 @@ class Metrics:
             self._plot()
 
     def _plot(self) -> None:
-        from .plots import curves_figure, save_png
+        from .tasks.plots import curves_figure, save_png
 
         save_png(curves_figure(self.rows), self.plot_path)
 
@@ -625,11 +627,7 @@ class Trainer:
                 "val_top5": correct5 / count if len(self.classes) > 5 else None, "val_images": int(count)}
 
     def _image_logits(self, model: nn.Module) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        done = 0
-        for images, targets, used in self.val_loader:
-            # an image that failed to decode was replaced by another (used != requested): drop it, as evaluate does
-            keep = used == torch.arange(done, done + len(used))
-            done += len(used)
+        for images, targets, _, keep in requested_batches(self.val_loader):  # keep: not replaced by another image
             if not keep.any():
                 continue
             images, targets = images[keep].to(self.device), targets[keep].to(self.device)
