@@ -367,3 +367,59 @@ def test_predict_fails_when_no_file_is_an_image(run_dir, tmp_path):
     result = invoke("predict", run_dir, junk, "--workers", 0, "--output", tmp_path / "p.csv")
     assert result.exit_code == 1 and "none of the 2 file(s) could be read" in result.output
     assert (tmp_path / "p.csv").read_text().count("\n") == 3  # the header, then one error row per file
+
+
+# ---- the library applies the command line's rules ---------------------------------------------------------------
+def test_library_refuses_a_timm_name_without_pretrained_as_the_cli_does(eval_data, tmp_path):
+    from vit_finetune import explain
+
+    for run in (lambda m: evaluate(m, eval_data, output=None), lambda m: list(predict(m, eval_data)),
+                lambda m: explain(m, eval_data)):
+        with pytest.raises(VitftError, match=r"add --pretrained \(pretrained=True in Python\)"):
+            run("vit_tiny_patch16_224")
+        with pytest.raises(VitftError, match="model no/such/run not found"):
+            run("no/such/run")
+    assert not list(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_library_predict_output_writes_the_files_the_cli_writes(run_dir, messy_folder, tmp_path):
+    for name in ("cli.csv", "cli.jsonl"):
+        assert invoke("predict", run_dir, messy_folder, "--workers", 0, "--output", tmp_path / name).exit_code == 0
+    rows = predict(str(run_dir), messy_folder, workers=0, output=tmp_path / "lib.csv")
+    predict(str(run_dir), messy_folder, workers=0, output=str(tmp_path / "lib.jsonl"))
+    assert (tmp_path / "lib.csv").read_bytes() == (tmp_path / "cli.csv").read_bytes()
+    assert (tmp_path / "lib.jsonl").read_bytes() == (tmp_path / "cli.jsonl").read_bytes()
+    written = [json.loads(line) for line in (tmp_path / "lib.jsonl").read_text().splitlines()]
+    assert [r.to_dict() for r in rows] == written and len(written) == 9
+    with pytest.raises(VitftError, match="unknown --format 'xml'; use csv or jsonl"):
+        predict(str(run_dir), messy_folder, output=tmp_path / "p.xml", fmt="xml")
+
+
+def test_library_evaluate_writes_to_the_cli_default_output(run_dir, eval_data, tmp_path, monkeypatch):
+    import shutil
+
+    from vit_finetune import load_model
+    from vit_finetune.tasks.evaluate import default_output
+
+    run = shutil.copytree(run_dir, tmp_path / "run", ignore=shutil.ignore_patterns("report.json", "*.csv", "*.png"))
+    monkeypatch.chdir(tmp_path)
+    report = evaluate(str(run), eval_data, workers=0)  # a local folder: its own folder
+    assert report.output == run and (run / "report.json").is_file() and (run / "mistakes.png").is_file()
+    correct = sum(p["true_label"] == p["predicted_label"] for p in report.predictions)
+    assert report.accuracy == correct / report.num_images == json.loads((run / "report.json").read_text())["accuracy"]
+    evaluate(load_model(str(run)), eval_data, workers=0)  # a built model: ./eval-<architecture>
+    assert (tmp_path / "eval-vit_tiny_patch16_224" / "predictions.csv").is_file()
+    assert default_output("hf-hub:someone/my vit@v2") == Path("eval-my-vit")
+    assert default_output(str(run / "model.safetensors")) == Path("eval-model")
+
+
+def test_report_metrics_are_exact_ratios_of_counts(tmp_path):
+    from vit_finetune.tasks.report import classification_metrics
+
+    y = np.arange(2158) % 7
+    pred = np.where(np.arange(2158) < 827, y, (y + 1) % 7)  # 827 right of 2,158
+    m = classification_metrics(y, pred, 1500, [f"c{i}" for i in range(7)])
+    assert m["accuracy"] == 827 / 2158 != float(np.float32(827) / np.float32(2158))
+    assert m["top5"] == 1500 / 2158 and m["confusion"].trace() == 827
+    support = np.bincount(y)
+    assert all(m["per_class"][f"c{i}"]["recall"] == np.diag(m["confusion"])[i] / support[i] for i in range(7))
