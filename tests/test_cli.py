@@ -49,6 +49,11 @@ def test_import_is_lazy_and_the_public_api_still_works():
     _imported_by(code)
 
 
+def test_figures_and_the_report_format_import_no_torch():
+    imported = _imported_by("import vit_finetune.tasks.plots, vit_finetune.tasks.report")
+    assert "torch" not in imported and "timm" not in imported
+
+
 def test_finetune_help_groups_the_options_in_panels():
     result = invoke("finetune", "--help")
     assert result.exit_code == 0, result.output
