@@ -20,7 +20,10 @@ from PIL import Image
 from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torchvision import transforms as T
 
-from vit_finetune.data import ImageDataset, build_transforms, list_images, load_rgb
+from vit_finetune.data.datasets import list_images
+from vit_finetune.data.images import load_rgb
+from vit_finetune.data.loaders import ImageDataset
+from vit_finetune.data.transforms import build_transforms
 
 INTEL = Path(__file__).resolve().parents[1].parent / "shared/data/intel/seg_train"
 

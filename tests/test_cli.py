@@ -43,10 +43,15 @@ def test_help_starts_without_torch(args):
 def test_import_is_lazy_and_the_public_api_still_works():
     assert _imported_by("import vit_finetune") == []
     assert "torch" in _imported_by("import vit_finetune as vf\nassert callable(vf.create_model)")
-    code = ("import vit_finetune as vf, vit_finetune.evaluate, vit_finetune.explain\n"
+    code = ("import vit_finetune as vf, vit_finetune.tasks.evaluate, vit_finetune.tasks.explain\n"
             "assert callable(vf.evaluate) and callable(vf.explain) and vf.TrainConfig().epochs == 10\n"
-            "assert vf.evaluate.__module__ == 'vit_finetune.evaluate'")
+            "assert vf.evaluate.__module__ == 'vit_finetune.tasks.evaluate'")
     _imported_by(code)
+
+
+def test_figures_and_the_report_format_import_no_torch():
+    imported = _imported_by("import vit_finetune.tasks.plots, vit_finetune.tasks.report")
+    assert "torch" not in imported and "timm" not in imported
 
 
 def test_finetune_help_groups_the_options_in_panels():

@@ -16,9 +16,13 @@ from conftest import CLASSES, TINY, invoke_cli, make_subset
 from PIL import Image
 
 from vit_finetune import create_model, save_pretrained
-from vit_finetune.data import ImageDataset, build_transforms, find_dataset
+from vit_finetune.data.datasets import find_dataset
+from vit_finetune.data.loaders import ImageDataset
+from vit_finetune.data.transforms import build_transforms
 from vit_finetune.errors import VitftError
-from vit_finetune.evaluate import EvalReport, Prediction, evaluate, predict
+from vit_finetune.tasks.evaluate import evaluate
+from vit_finetune.tasks.predict import Prediction, predict
+from vit_finetune.tasks.report import EvalReport
 
 BOX_CHARS = "─│┃━┏┓┗┛┡┩╇╷╵"
 
@@ -182,7 +186,7 @@ def test_library_evaluate_on_a_built_model(run_dir, eval_data, cli_eval, tmp_pat
     from vit_finetune import load_model
 
     model = load_model(str(run_dir))
-    report = evaluate(model, eval_data, workers=0, device="cpu")
+    report = evaluate(model, eval_data, workers=0, device="cpu", output=None)
     assert isinstance(report, EvalReport) and report.output is None  # no output: nothing written
     saved = json.loads((run_dir / "report.json").read_text())
     assert report.accuracy == pytest.approx(saved["accuracy"])
@@ -193,7 +197,7 @@ def test_library_evaluate_on_a_built_model(run_dir, eval_data, cli_eval, tmp_pat
 
 def test_model_classes_missing_from_the_data_are_reported(run_dir, class_images, tmp_path):
     data = make_subset(class_images, tmp_path / "two", 4, classes=["forest", "sea"])
-    report = evaluate(str(run_dir), data, workers=0)
+    report = evaluate(str(run_dir), data, workers=0, output=None)
     assert report.num_images == 8
     assert report.absent_classes == ["buildings", "glacier", "mountain", "street"]
     assert report.per_class["glacier"]["support"] == 0 and report.per_class["glacier"]["recall"] is None
@@ -216,10 +220,11 @@ def test_model_without_label_names(eval_data, class_images, tmp_path):
     torch.manual_seed(0)
     model = create_model("vit_tiny_patch16_224", num_classes=6, **TINY)
     assert "label_names" not in model.pretrained_cfg
-    report = evaluate(model, eval_data, workers=0)  # 6 outputs, 6 classes: the data's names are used
+    report = evaluate(model, eval_data, workers=0, output=None)  # 6 outputs, 6 classes: the data's names are used
     assert report.classes == CLASSES and report.model["label_names_from"] == "data"
     with pytest.raises(VitftError, match="no label names"):
-        evaluate(model, make_subset(class_images, tmp_path / "two", 2, classes=["forest", "sea"]), workers=0)
+        evaluate(model, make_subset(class_images, tmp_path / "two", 2, classes=["forest", "sea"]), workers=0,
+                 output=None)
 
 
 def test_split_selection(run_dir, class_images, tmp_path):
@@ -229,11 +234,11 @@ def test_split_selection(run_dir, class_images, tmp_path):
             (root / split / name).mkdir(parents=True)
             for image in sorted((class_images / name).iterdir())[offset:offset + 2]:
                 (root / split / name / image.name).symlink_to(image)
-    report = evaluate(str(run_dir), root, workers=0)
+    report = evaluate(str(run_dir), root, workers=0, output=None)
     assert report.data["split"] == "test" and all("/test/" in p["path"] for p in report.predictions)
-    assert evaluate(str(run_dir), root, split="val", workers=0).data["split"] == "val"
+    assert evaluate(str(run_dir), root, split="val", workers=0, output=None).data["split"] == "val"
     with pytest.raises(VitftError, match="unknown split"):
-        evaluate(str(run_dir), root, split="dev", workers=0)
+        evaluate(str(run_dir), root, split="dev", workers=0, output=None)
 
 
 @pytest.fixture
@@ -375,14 +380,14 @@ def own_run(run_dir, eval_data, tmp_path_factory) -> Path:
 
 def test_a_run_is_evaluated_on_its_own_validation_split(own_run, eval_data, class_images, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="vitft")
-    report = evaluate(str(own_run), eval_data, workers=0)
+    report = evaluate(str(own_run), eval_data, workers=0, output=None)
     expected = find_dataset(eval_data, 0.25, 3).val
     assert report.data["split"] == "val" and "split 75/25 (seed 3)" in report.data["layout"]
     assert sorted(p["path"] for p in report.predictions) == sorted(str(p) for p, _ in expected)
     assert "the run's own split" in caplog.text and "seed 3" in caplog.text
     # another folder (the same images, linked again) is not the run's data: evaluated whole, as before
     other = make_subset(class_images, tmp_path / "other", 8)
-    assert evaluate(str(own_run), other, workers=0).data["split"] == "all"
+    assert evaluate(str(own_run), other, workers=0, output=None).data["split"] == "all"
     # a run trained on a train/ + val/ layout: its val folder, whatever the run's val_split says
     make_subset(class_images, tmp_path / "tv" / "train", 2)
     make_subset(class_images, tmp_path / "tv" / "val", 1)
@@ -390,7 +395,7 @@ def test_a_run_is_evaluated_on_its_own_validation_split(own_run, eval_data, clas
     config["vitft"]["train"]["data"] = str(tmp_path / "tv")
     (own_run / "config.json").write_text(json.dumps(config))
     try:
-        assert evaluate(str(own_run), tmp_path / "tv", workers=0).data == {
+        assert evaluate(str(own_run), tmp_path / "tv", workers=0, output=None).data == {
             "root": str(tmp_path / "tv"), "split": "val", "layout": "train/ + val/", "num_images": 6, "num_skipped": 0}
     finally:
         config["vitft"]["train"]["data"] = str(eval_data)
@@ -404,7 +409,8 @@ def test_evaluate_val_split_option(own_run, eval_data, run_dir, tmp_path):
     report = json.loads((tmp_path / "half" / "report.json").read_text())
     expected = find_dataset(eval_data, 0.5, 1).val
     assert report["data"]["split"] == "val" and report["num_images"] == len(expected) == 24
-    assert evaluate(str(run_dir), eval_data, workers=0).data["split"] == "all"  # no run config: whole folder
+    # no run config: the whole folder
+    assert evaluate(str(run_dir), eval_data, workers=0, output=None).data["split"] == "all"
 
 
 def test_predict_fails_when_no_file_is_an_image(run_dir, tmp_path):
@@ -415,3 +421,59 @@ def test_predict_fails_when_no_file_is_an_image(run_dir, tmp_path):
     result = invoke("predict", run_dir, junk, "--workers", 0, "--output", tmp_path / "p.csv")
     assert result.exit_code == 1 and "none of the 2 file(s) could be read" in result.output
     assert (tmp_path / "p.csv").read_text().count("\n") == 3  # the header, then one error row per file
+
+
+# ---- the library applies the command line's rules ---------------------------------------------------------------
+def test_library_refuses_a_timm_name_without_pretrained_as_the_cli_does(eval_data, tmp_path):
+    from vit_finetune import explain
+
+    for run in (lambda m: evaluate(m, eval_data, output=None), lambda m: list(predict(m, eval_data)),
+                lambda m: explain(m, eval_data)):
+        with pytest.raises(VitftError, match=r"add --pretrained \(pretrained=True in Python\)"):
+            run("vit_tiny_patch16_224")
+        with pytest.raises(VitftError, match="model no/such/run not found"):
+            run("no/such/run")
+    assert not list(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_library_predict_output_writes_the_files_the_cli_writes(run_dir, messy_folder, tmp_path):
+    for name in ("cli.csv", "cli.jsonl"):
+        assert invoke("predict", run_dir, messy_folder, "--workers", 0, "--output", tmp_path / name).exit_code == 0
+    rows = predict(str(run_dir), messy_folder, workers=0, output=tmp_path / "lib.csv")
+    predict(str(run_dir), messy_folder, workers=0, output=str(tmp_path / "lib.jsonl"))
+    assert (tmp_path / "lib.csv").read_bytes() == (tmp_path / "cli.csv").read_bytes()
+    assert (tmp_path / "lib.jsonl").read_bytes() == (tmp_path / "cli.jsonl").read_bytes()
+    written = [json.loads(line) for line in (tmp_path / "lib.jsonl").read_text().splitlines()]
+    assert [r.to_dict() for r in rows] == written and len(written) == 9
+    with pytest.raises(VitftError, match="unknown --format 'xml'; use csv or jsonl"):
+        predict(str(run_dir), messy_folder, output=tmp_path / "p.xml", fmt="xml")
+
+
+def test_library_evaluate_writes_to_the_cli_default_output(run_dir, eval_data, tmp_path, monkeypatch):
+    import shutil
+
+    from vit_finetune import load_model
+    from vit_finetune.tasks.evaluate import default_output
+
+    run = shutil.copytree(run_dir, tmp_path / "run", ignore=shutil.ignore_patterns("report.json", "*.csv", "*.png"))
+    monkeypatch.chdir(tmp_path)
+    report = evaluate(str(run), eval_data, workers=0)  # a local folder: its own folder
+    assert report.output == run and (run / "report.json").is_file() and (run / "mistakes.png").is_file()
+    correct = sum(p["true_label"] == p["predicted_label"] for p in report.predictions)
+    assert report.accuracy == correct / report.num_images == json.loads((run / "report.json").read_text())["accuracy"]
+    evaluate(load_model(str(run)), eval_data, workers=0)  # a built model: ./eval-<architecture>
+    assert (tmp_path / "eval-vit_tiny_patch16_224" / "predictions.csv").is_file()
+    assert default_output("hf-hub:someone/my vit@v2") == Path("eval-my-vit")
+    assert default_output(str(run / "model.safetensors")) == Path("eval-model")
+
+
+def test_report_metrics_are_exact_ratios_of_counts(tmp_path):
+    from vit_finetune.tasks.report import classification_metrics
+
+    y = np.arange(2158) % 7
+    pred = np.where(np.arange(2158) < 827, y, (y + 1) % 7)  # 827 right of 2,158
+    m = classification_metrics(y, pred, 1500, [f"c{i}" for i in range(7)])
+    assert m["accuracy"] == 827 / 2158 != float(np.float32(827) / np.float32(2158))
+    assert m["top5"] == 1500 / 2158 and m["confusion"].trace() == 827
+    support = np.bincount(y)
+    assert all(m["per_class"][f"c{i}"]["recall"] == np.diag(m["confusion"])[i] / support[i] for i in range(7))

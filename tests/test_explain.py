@@ -23,7 +23,7 @@ from PIL import Image
 
 from vit_finetune import create_model, evaluate, explain, save_pretrained
 from vit_finetune.errors import VitftError
-from vit_finetune.explain import METHODS, attention_maps, capture_attention, crop_box
+from vit_finetune.tasks.explain import METHODS, attention_maps, capture_attention, crop_box
 
 LABELS = ["ant", "bee", "cat", "dog"]
 GRID_HW = (4, 6)  # a 32 x 48 input at patch 8: a non-square grid
@@ -234,7 +234,7 @@ def test_maps_have_the_image_size_and_cover_the_centre_crop(method, tmp_path):
 
 def test_crop_box_matches_the_eval_transform():
     """The box is where build_transforms' centre crop comes from: a marked image keeps its marks inside it."""
-    from vit_finetune.data import build_transforms
+    from vit_finetune.data.transforms import build_transforms
 
     for hw, size in (((50, 90), (32, 32)), ((81, 33), (32, 32)), ((60, 60), (32, 48))):
         top, left, bottom, right = crop_box(hw, size, 0.875)
@@ -258,7 +258,7 @@ def test_gradcam_target_and_input_errors(tmp_path):
         explain(model, image, method="gradcam", target="cow", device="cpu")
     with pytest.raises(VitftError, match="applies to --method gradcam"):
         explain(model, image, method="rollout", target="cat", device="cpu")
-    with pytest.raises(VitftError, match="unknown --method 'lrp'"):
+    with pytest.raises(VitftError, match="unknown explain method 'lrp'"):
         explain(model, image, method="lrp", device="cpu")
 
 
@@ -282,7 +282,7 @@ def test_cli_writes_one_png_per_image_and_the_index(tmp_path):
     assert str(images / "sub" / "a.png") in index and "%" in index
     assert "wrote 3 heat map(s) (gradcam) and index.html" in result.output
     bad = invoke("explain", folder, images, "--output", tmp_path / "out2", "--method", "nope")
-    assert bad.exit_code == 1 and "unknown --method 'nope'" in bad.output
+    assert bad.exit_code == 1 and "unknown explain method 'nope'" in bad.output
     junk = tmp_path / "junk.jpg"
     junk.write_text("not an image")
     none = invoke("explain", folder, junk, "--output", tmp_path / "out3")  # nothing to show is a failure
@@ -306,7 +306,7 @@ def test_evaluate_explain_overlays_the_mistakes(tmp_path):
     assert a.shape == b.shape
     changed = np.abs(a.astype(int) - b).sum(axis=-1) > 30
     assert 0.05 < changed.mean() < 0.9  # the thumbnails are tinted, the titles are not
-    with pytest.raises(VitftError, match="unknown explain method"):
+    with pytest.raises(VitftError, match="unknown explain method 'saliency'"):
         evaluate(folder, data, device="cpu", workers=0, explain="saliency")
 
 

@@ -488,7 +488,7 @@ def test_local_weights_paths_stay_private(tiny_model_dir, tmp_path):
 
 def test_report_json_round_trips_through_eval_report(tmp_path):
     from vit_finetune import VitftError
-    from vit_finetune.evaluate import EvalReport
+    from vit_finetune.tasks.report import EvalReport
 
     (tmp_path / "report.json").write_text(json.dumps(REPORT))
     assert EvalReport.load(tmp_path / "report.json").to_dict() == REPORT

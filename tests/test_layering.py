@@ -18,16 +18,9 @@ MAX_DEFINITION_LINES = 300
 
 # Issue 14 is done by four helpers at once: these are what the other three's branches remove. Each one xfails
 # (strict=False: it passes once their work is merged) with the reason; a cycle or long file not listed fails.
-_TASKS = "issue 14, helper 'tasks' (tasks/): "
 _WEIGHTS = "issue 14, helper 'weights' (models/, weights/): "
-PENDING_CYCLES = {
-    "vit_finetune.evaluate": _TASKS + "evaluate imports explain (evaluate --explain), explain imports "
-                                      "prepare_classifier from evaluate: an inference core below both removes it",
-    "vit_finetune.explain": _TASKS + "explain imports prepare_classifier from evaluate, evaluate imports explain",
-}
+PENDING_CYCLES: dict[str, str] = {}
 PENDING_LONG_FILES = {
-    "vit_finetune/evaluate.py": _TASKS + "evaluate split into the inference core, metrics/report and prediction",
-    "vit_finetune/data.py": _TASKS + "data.py split into data/ (datasets, images, transforms, loaders)",
     "vit_finetune/weights.py": _WEIGHTS + "weights.py split into weights/ (refs, sources, layouts, loading, saving)",
     "vit_finetune/model.py": _WEIGHTS + "model.py split into models/ (vit, layers)",
 }

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from vit_finetune import VitftError
-from vit_finetune.cli import _check_model_arg
 from vit_finetune.hub.card import base_model, is_local_path, public_weights
 from vit_finetune.refs import RefKind, parse_ref
+from vit_finetune.tasks.inference import check_model_source
 
 
 def test_every_kind_of_reference(tmp_path, monkeypatch):
@@ -46,9 +46,9 @@ def test_callers_read_references_alike(tmp_path, monkeypatch):
     assert base_model({"pretrained": True}) is None  # no model named: no lineage
     assert base_model({"pretrained": "run"}) is None
     with pytest.raises(VitftError, match="model no/such/run not found"):
-        _check_model_arg("no/such/run", None, False)
+        check_model_source("no/such/run", None, False)
     with pytest.raises(VitftError, match="add --pretrained"):
-        _check_model_arg("vit_b_16", None, False)
+        check_model_source("vit_b_16", None, False)
     for fine in ("run", "hf-hub:org/repo", "local-dir:run"):
-        _check_model_arg(fine, None, False)
-    _check_model_arg("no/such.pth", "vit_b_16", True)  # --model with --pretrained: create_model reports
+        check_model_source(fine, None, False)
+    check_model_source("no/such.pth", "vit_b_16", True)  # --model with --pretrained: create_model reports

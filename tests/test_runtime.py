@@ -13,7 +13,8 @@ from conftest import REPO
 from PIL import Image
 
 from vit_finetune import VitftError, runtime
-from vit_finetune.data import ImageDataset, build_loader, build_transforms
+from vit_finetune.data.loaders import ImageDataset, build_loader
+from vit_finetune.data.transforms import build_transforms
 from vit_finetune.runtime import DEVICE_ENV, compute_context, fit_cpu_threads, resolve_device
 
 CPU = torch.device("cpu")

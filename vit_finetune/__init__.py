@@ -6,8 +6,6 @@ and the `vitft` command line start without torch, timm or albumentations.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -15,8 +13,9 @@ __version__ = "0.1.0"
 _PUBLIC = {  # name -> the module that defines it
     "ALIASES": "archs", "list_archs": "archs",
     "VitftError": "errors",
-    "EvalReport": "evaluate", "Prediction": "evaluate", "evaluate": "evaluate", "predict": "evaluate",
-    "Explanation": "explain", "explain": "explain",
+    "EvalReport": "tasks.report", "evaluate": "tasks.evaluate",
+    "Prediction": "tasks.predict", "predict": "tasks.predict",
+    "Explanation": "tasks.explain", "explain": "tasks.explain",
     "PushResult": "hub.push", "export": "hub.export", "push": "hub.push",
     "VisionTransformer": "model",
     "resize_pos_embed": "pos_embed",
@@ -33,12 +32,14 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from .engine.api import finetune  # noqa: F401
     from .engine.trainer import RunResult  # noqa: F401
     from .errors import VitftError  # noqa: F401
-    from .evaluate import EvalReport, Prediction, evaluate, predict  # noqa: F401
-    from .explain import Explanation, explain  # noqa: F401
     from .hub.export import export  # noqa: F401
     from .hub.push import PushResult, push  # noqa: F401
     from .model import VisionTransformer  # noqa: F401
     from .pos_embed import resize_pos_embed  # noqa: F401
+    from .tasks.evaluate import evaluate  # noqa: F401
+    from .tasks.explain import Explanation, explain  # noqa: F401
+    from .tasks.predict import Prediction, predict  # noqa: F401
+    from .tasks.report import EvalReport  # noqa: F401
     from .weights import create_model, load_model, save_pretrained  # noqa: F401
 
 
@@ -54,16 +55,3 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_PUBLIC))
 
-
-class _Package(types.ModuleType):
-    """Keeps the functions `evaluate` and `explain` under their names when their submodules are imported (the
-    import system sets `vit_finetune.evaluate` to the submodule then), as the eager imports used to."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _PUBLIC.get(name) == name:
-            self.__dict__.pop(name, None)  # the next access imports the function through __getattr__
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -9,8 +9,6 @@ import dataclasses
 import fnmatch
 import functools
 import inspect
-import os
-import re
 import sys
 import typing
 from pathlib import Path
@@ -25,8 +23,6 @@ from . import __version__
 from .config import DEVICE_HELP, TrainConfig
 from .errors import VitftError
 from .terminal import Command, Group, console, print_report, setup_logging
-
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 # where a model comes from, as evaluate, predict and explain take it
 MODEL_HELP = "Run or model folder, weights file (with --model), hf-hub:org/repo, or a timm name (with --pretrained)."
@@ -236,31 +232,6 @@ def _quoted(path) -> str:
     return shlex.quote(str(path))
 
 
-def _check_model_arg(model: str, arch: Optional[str], pretrained: bool) -> None:
-    """Clear errors for a missing path, and for a timm name given without --pretrained."""
-    from .refs import RefKind, parse_ref
-
-    ref = parse_ref(model)
-    if ref.kind in (RefKind.FOLDER, RefKind.FILE, RefKind.HUB, RefKind.LOCAL_DIR) or (arch and pretrained):
-        return
-    if ref.kind is RefKind.MISSING_PATH and not arch:
-        raise VitftError(f"model {model} not found; pass a run or model folder, a weights file with --model ARCH, "
-                         f"hf-hub:org/repo, or a timm name with --pretrained")
-    if not arch and not pretrained:
-        raise VitftError(f"{model} is not a file or folder; to use the pretrained weights of the timm model "
-                         f"{model}, add --pretrained")
-
-
-def default_output(model: str) -> Path:
-    """The run folder for a local model folder, else ./eval-<model name>."""
-    from .refs import RefKind, parse_ref
-
-    ref = parse_ref(model)
-    if ref.kind in (RefKind.LOCAL_DIR, RefKind.FOLDER):
-        return ref.path
-    name = ref.path.stem if ref.kind is RefKind.FILE else ref.target.rstrip("/").split("/")[-1]
-    return Path("eval-" + (re.sub(r"[^\w.-]+", "-", name).strip("-") or "model"))
-
 
 @command("evaluate")
 def evaluate_cmd(
@@ -290,15 +261,14 @@ def evaluate_cmd(
     seed: Optional[int] = typer.Option(None, help="Seed of that split.", show_default="the run's, else 0"),
 ):
     """Evaluate a model on labelled images: metrics, per-class table, confusion matrix, mistakes."""
-    from .evaluate import evaluate
     from .progress import ProgressBar
+    from .tasks.evaluate import DEFAULT_OUTPUT, evaluate
 
-    _check_model_arg(model, arch, pretrained)
-    out = Path(output).expanduser() if output else default_output(model)
     with ProgressBar("evaluating", min_total=128) as bar:
         report = evaluate(model, data, split=split, img_size=img_size, tta=tta, batch_size=batch_size,
-                          workers=workers, device=device, precision=precision, output=out, arch=arch, progress=bar,
-                          val_split=val_split, seed=seed, explain="rollout" if explain else None)
+                          workers=workers, device=device, precision=precision, output=output or DEFAULT_OUTPUT,
+                          arch=arch, progress=bar, val_split=val_split, seed=seed,
+                          explain="rollout" if explain else None, pretrained=pretrained)
     print_report(report)
 
 
@@ -322,33 +292,18 @@ def predict_cmd(
     tta: bool = typer.Option(False, "--tta", help="Average the predictions of each image and its mirror image."),
 ):
     """Predict the top-k labels of images; unreadable files become rows with an error."""
-    from .evaluate import predict, write_predictions
-    from .files import atomic_write, printable
     from .progress import ProgressBar
+    from .tasks.predict import predict
 
-    _check_model_arg(model, arch, pretrained)
-    if not inputs:
-        raise VitftError("give at least one image file, folder or glob to predict")
-    suffix = Path(output).suffix.lower() if output else ""
-    fmt = (fmt or ("jsonl" if suffix in (".jsonl", ".json", ".ndjson") else "csv")).lower()
-    if fmt not in ("csv", "jsonl"):
-        raise VitftError(f"unknown --format {fmt!r}; use csv or jsonl")
     # a bar on a terminal only when the rows do not go to that same terminal
     with ProgressBar("predicting", enabled=bool(output) or not sys.stdout.isatty(), min_total=128) as bar:
         rows = predict(model, inputs, top_k=top_k, img_size=img_size, tta=tta, batch_size=batch_size,
-                       workers=workers, device=device, precision=precision, arch=arch, progress=bar)
-        counts = []
-        if output:
-            def write(tmp: Path) -> None:
-                with open(tmp, "w", newline="", encoding="utf-8") as f:
-                    counts.append(write_predictions(rows, f, fmt, rows.top_k))
-
-            atomic_write(Path(output).expanduser(), write)
-        else:
-            counts.append(write_predictions(rows, sys.stdout, fmt, rows.top_k))
-    good, bad = counts[0]
+                       workers=workers, device=device, precision=precision, arch=arch, progress=bar,
+                       pretrained=pretrained, output=output or sys.stdout, fmt=fmt)
+    bad = sum(row.error is not None for row in rows)
+    good = rows.total - bad
     if output:
-        console.print(f"wrote {good} prediction(s) to {escape(printable(str(output)))}", highlight=False,
+        console.print(f"wrote {good} prediction(s) to {escape(_printable(output))}", highlight=False,
                       soft_wrap=True)
     if bad and not good:
         raise VitftError(f"none of the {bad} file(s) could be read as an image; their rows have an error field")
@@ -376,16 +331,13 @@ def explain_cmd(
     precision: str = typer.Option("fp32", help=PRECISION_HELP),
 ):
     """Show where the model looked: a heat map over each image, with its top labels."""
-    from .explain import explain
     from .progress import ProgressBar
+    from .tasks.explain import explain
 
-    _check_model_arg(model, arch, pretrained)
-    if not images:
-        raise VitftError("give at least one image file, folder or glob to explain")
     with ProgressBar("explaining", min_total=8) as bar:
         results = explain(model, images, method=method, target=target, output=output, top_k=top_k,
                           img_size=img_size, batch_size=batch_size, device=device, precision=precision, arch=arch,
-                          progress=bar)
+                          progress=bar, pretrained=pretrained)
     bad = sum(r.error is not None for r in results)
     if bad == len(results):
         raise VitftError(f"none of the {bad} file(s) could be read as an image: no heat maps (index.html lists "

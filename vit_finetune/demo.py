@@ -45,9 +45,9 @@ def make_demo_data(folder: Union[str, Path], per_class: int = 150, seed: int = 0
 def demo(output: Union[str, Path] = "vitft-demo", epochs: int = 10, seed: int = 0) -> dict[str, Path]:
     """Generate data, fine-tune a tiny ViT on the CPU, evaluate it and export it; returns the paths."""
     from .engine.api import finetune
-    from .evaluate import evaluate
     from .hub.export import export
     from .run_folder import RunFolder
+    from .tasks.evaluate import evaluate
 
     output = Path(output)
     data = make_demo_data(output / "data", seed=seed)

@@ -170,7 +170,7 @@ class RunFolder:
             return list(csv.DictReader(f))
 
     def write_curves(self, rows: list[dict]) -> None:
-        from .plots import curves_figure, save_png
+        from .tasks.plots import curves_figure, save_png
 
         save_png(curves_figure(rows), self.curves_file)
 

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from ..data.loaders import requested_batches
 from ..runtime import compute_context
 
 ProgressFn = Callable[[int, int], None]  # (batches done, total)
@@ -65,17 +66,12 @@ def extract_features(model: nn.Module, loader, device: torch.device, precision: 
     """
     was_training = model.training
     model.eval()
-    order = torch.as_tensor(list(loader.sampler))  # the dataset indices the batches hold, in turn
     feats, labels, view_sizes = [], [], []
     total, done = views * len(loader), 0
     try:
         for _ in range(views):
-            position, rows = 0, 0
-            for batch in loader:
-                images, targets = batch[0], torch.as_tensor(batch[1])
-                requested = order[position:position + len(targets)]
-                position += len(targets)
-                keep = batch[2] == requested if len(batch) == 3 else torch.ones(len(targets), dtype=torch.bool)
+            rows = 0
+            for images, targets, _, keep in requested_batches(loader):
                 with compute_context(device, precision):
                     pooled = model.pool(model.forward_features(images.to(device, non_blocking=True)))
                 feats.append(pooled.float().cpu()[keep])

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..config import TrainConfig
-from ..data import build_loader
+from ..data.loaders import build_loader, requested_batches
 from ..runtime import compute_context
 from .distributed import all_sum, average_gradients
 from .features import FeatureSet, extract_features
@@ -165,11 +165,7 @@ def feature_steps(trainer: Trainer, features: FeatureSet) -> Steps:
 
 def image_logits(trainer: Trainer, model: nn.Module) -> Logits:
     """The model's logits on this rank's validation images."""
-    done = 0
-    for images, targets, used in trainer.val_loader:
-        # an image that failed to decode was replaced by another (used != requested): drop it, as evaluate does
-        keep = used == torch.arange(done, done + len(used))
-        done += len(used)
+    for images, targets, _, keep in requested_batches(trainer.val_loader):  # keep: not replaced by another image
         if not keep.any():
             continue
         images, targets = images[keep].to(trainer.device), targets[keep].to(trainer.device)

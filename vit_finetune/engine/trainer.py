@@ -17,12 +17,14 @@ import torch.nn.functional as F
 from timm.data.constants import DEFAULT_CROP_PCT
 
 from ..config import TrainConfig
-from ..data import DatasetSplits, ImageDataset, build_loader, build_transforms, find_dataset
+from ..data.datasets import DatasetSplits, find_dataset
+from ..data.loaders import ImageDataset, build_loader
+from ..data.transforms import build_transforms
 from ..errors import VitftError
-from ..evaluate import top_k_hits
 from ..progress import ProgressBar
 from ..run_folder import RunFolder
 from ..runtime import check_precision
+from ..tasks.inference import top_k_hits
 from ..weights import describe_weights
 from . import callbacks as cb
 from .distributed import all_sum, init_distributed

@@ -22,7 +22,7 @@ def check_run(run_dir: PathLike) -> RunFolder:
 
 def read_report(run: RunFolder):
     """The run's evaluation report (report.json), if it has a readable one."""
-    from ..evaluate import EvalReport
+    from ..tasks.report import EvalReport
 
     if not run.report_file.is_file():
         return None

@@ -1,26 +1,23 @@
 """Every figure vitft draws: training curves, the confusion matrix, the mistakes grid and explain's heat maps.
 
 matplotlib's object API (`Figure`) renders with Agg and leaves pyplot and its backend alone, so a library user's
-interactive backend is never switched. matplotlib and OpenCV are imported when a figure is drawn.
+interactive backend is never switched. matplotlib and OpenCV are imported when a figure is drawn. Figures take
+arrays and names, never report objects, and this module imports no torch: drawing a PNG stays light.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from .data import load_rgb
-from .files import atomic_write, printable
+from ..files import atomic_write, printable
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from .evaluate import EvalReport
-    from .explain import Explanation
-
-N_MISTAKES = 16  # images in mistakes.png
 THUMB_PX = 260  # mistakes.png cells are 2.6 in at 100 dpi
 DISPLAY_PX = 448  # longer side of each panel in explain's per-image PNGs
 
@@ -49,12 +46,13 @@ def curves_figure(rows: list[dict]) -> Figure:
     return fig
 
 
-def confusion_figure(report: EvalReport) -> Figure:
-    """The row-normalised confusion matrix, with counts in the cells when there are few classes."""
+def confusion_figure(confusion: np.ndarray, classes: Sequence[str], accuracy: float) -> Figure:
+    """The row-normalised confusion matrix (counts; rows: true class, columns: predicted, in `classes` order), with
+    counts in the cells when there are few classes."""
     from matplotlib.figure import Figure
 
-    cm = np.asarray(report.confusion, dtype=float)
-    k = len(report.classes)
+    cm = np.asarray(confusion, dtype=float)
+    k = len(classes)
     rows = cm.sum(axis=1, keepdims=True)
     norm = np.divide(cm, rows, out=np.zeros_like(cm), where=rows > 0)
     side = min(40.0, max(5.0, 0.45 * k + 2.5))
@@ -63,7 +61,7 @@ def confusion_figure(report: EvalReport) -> Figure:
     image = ax.imshow(norm, cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
     fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="fraction of the true class")
     if k <= 100:
-        names = [printable(c) for c in report.classes]
+        names = [printable(c) for c in classes]
         ax.set_xticks(range(k), names, rotation=45 if k <= 20 else 90, ha="right" if k <= 20 else "center",
                       fontsize=10 if k <= 20 else 6)
         ax.set_yticks(range(k), names, fontsize=10 if k <= 20 else 6)
@@ -75,71 +73,63 @@ def confusion_figure(report: EvalReport) -> Figure:
                             color="white" if norm[i, j] > 0.5 else "black")
     ax.set_xlabel("predicted class")
     ax.set_ylabel("true class")
-    ax.set_title(f"confusion matrix (row-normalised), {report.num_images} images, "
-                 f"top-1 {100 * report.accuracy:.1f}%")
+    ax.set_title(f"confusion matrix (row-normalised), {int(cm.sum())} images, top-1 {100 * accuracy:.1f}%")
     return fig
 
 
-def shown_mistakes(predictions: list[dict], n: int = N_MISTAKES) -> list[dict]:
-    """The mistakes mistakes.png shows: the n most confident."""
-    wrong = [p for p in predictions if p["true_label"] != p["predicted_label"]]
-    return sorted(wrong, key=lambda p: -p["confidence"])[:n]
-
-
-def mistakes_figure(predictions: list[dict], n: int = N_MISTAKES,
-                    heatmaps: Optional[dict[str, np.ndarray]] = None) -> Figure:
-    """A grid of the most confident mistakes, each with its true and predicted label; `heatmaps` (image path ->
-    heat map at the image's size) are overlaid on their images."""
+def mistakes_figure(thumbs: Sequence[Optional[np.ndarray]], titles: Sequence[str]) -> Figure:
+    """A grid of mistakes: each thumbnail (uint8 RGB, None for a file that could not be read) under its title
+    (true label, predicted label, file name)."""
     from matplotlib.figure import Figure
 
-    wrong = shown_mistakes(predictions, n)
-    if not wrong:
+    if not thumbs:
         fig = Figure(figsize=(4, 2))
         fig.text(0.5, 0.5, "no mistakes", ha="center", va="center", fontsize=14)
         return fig
-    cols = min(4, len(wrong))
-    rows = math.ceil(len(wrong) / cols)
+    cols = min(4, len(thumbs))
+    rows = math.ceil(len(thumbs) / cols)
     cell, gap, top = 2.6, 0.65, 0.45  # inches: image side, room for a three-line title, room for the suptitle
     width, height = cols * cell + (cols - 1) * 0.2 + 0.2, rows * cell + rows * gap + top + 0.1
     fig = Figure(figsize=(width, height))
     fig.subplots_adjust(left=0.1 / width, right=1 - 0.1 / width, bottom=0.1 / height,
                         top=1 - (top + gap) / height, wspace=0.2 / cell, hspace=gap / cell)
-    for i, p in enumerate(wrong):
+    for i, (thumb, title) in enumerate(zip(thumbs, titles)):
         ax = fig.add_subplot(rows, cols, i + 1)
-        try:
-            thumb = _fit(load_rgb(p["path"], max_short_side=THUMB_PX), THUMB_PX, enlarge=True)
-            if heatmaps and p["path"] in heatmaps:
-                thumb = overlay(thumb, _resized(heatmaps[p["path"]], thumb.shape[:2]))
-            ax.imshow(thumb, interpolation="nearest")  # pre-sized: cheap to draw
-        except Exception:  # noqa: BLE001 - the file changed since: show the labels anyway
+        if thumb is None:
             ax.text(0.5, 0.5, "(unreadable)", ha="center", va="center")
-        name = printable(Path(p["path"]).name)
-        name = name if len(name) <= 30 else "..." + name[-27:]
-        ax.set_title(printable(f"true: {p['true_label']}\npred: {p['predicted_label']} ({100 * p['confidence']:.0f}%)"
-                               f"\n{name}"), fontsize=9)
+        else:
+            ax.imshow(thumb, interpolation="nearest")  # pre-sized: cheap to draw
+        ax.set_title(printable(title), fontsize=9)
         ax.axis("off")
     fig.suptitle("most confident mistakes", y=1 - 0.1 / height, va="top")
     return fig
 
 
-def explanation_figure(image: np.ndarray, result: Explanation) -> Figure:
-    """The image, the image with its heat map, and the top labels underneath."""
+def thumbnail(image: np.ndarray, heatmap: Optional[np.ndarray] = None) -> np.ndarray:
+    """A mistakes.png cell: the image fitted to THUMB_PX, with its heat map (at the image's size) overlaid."""
+    thumb = _fit(image, THUMB_PX, enlarge=True)
+    return thumb if heatmap is None else overlay(thumb, _resized(heatmap, thumb.shape[:2]))
+
+
+def explanation_figure(image: np.ndarray, heatmap: np.ndarray, name: str, title: str,
+                       labels: Sequence[str], probs: Sequence[float]) -> Figure:
+    """The image (captioned `name`), the image with its heat map (captioned `title`), the top labels underneath."""
     from matplotlib.figure import Figure
 
     shown = _fit(image, DISPLAY_PX)
-    heat = _resized(result.heatmap, shown.shape[:2])
+    heat = _resized(heatmap, shown.shape[:2])
     panel_h = 4.0 * min(1.0, shown.shape[0] / shown.shape[1])
     panel_w = panel_h * shown.shape[1] / shown.shape[0]
     fig = Figure(figsize=(2 * panel_w + 0.4, panel_h + 1.2), layout="constrained")
     left, right = fig.subplots(1, 2)
     left.imshow(shown)
     right.imshow(overlay(shown, heat))
-    name = printable(Path(result.path).name)  # file and class names may hold bytes that are not UTF-8
+    name = printable(name)  # file and class names may hold bytes that are not UTF-8
     left.set_title(name if len(name) <= 40 else "..." + name[-37:], fontsize=9)
-    right.set_title(result.method + (f" for {printable(result.target)}" if result.target else ""), fontsize=9)
+    right.set_title(printable(title), fontsize=9)
     for ax in (left, right):
         ax.axis("off")
-    fig.suptitle("   ".join(f"{printable(label)} {100 * p:.1f}%" for label, p in zip(result.labels, result.probs)),
+    fig.suptitle("   ".join(f"{printable(label)} {100 * p:.1f}%" for label, p in zip(labels, probs)),
                  y=0.02, va="bottom", fontsize=11)
     return fig
 

@@ -28,23 +28,32 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import numpy as np
 import torch
-from timm.data.constants import DEFAULT_CROP_PCT
 
-from .data import build_transforms, load_rgb
-from .errors import VitftError
-from .evaluate import ModelLike, ProgressFn, label_names, prepare_classifier
-from .files import atomic_write, printable
-from .model import VisionTransformer
+from ..data.images import load_rgb
+from ..data.transforms import build_transforms, data_config
+from ..errors import VitftError
+from ..files import atomic_write, printable
+from ..model import VisionTransformer
+from ..runtime import compute_context
+from .inference import ImagesLike, ModelLike, ProgressFn, label_names, prepare_classifier
 from .plots import explanation_figure, save_png
-from .runtime import compute_context
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 log = logging.getLogger("vitft")
 
 METHODS = ("rollout", "attention", "gradcam")
+
+
+def check_method(method: str) -> None:
+    """The one check of an explain method's name (explain, attention_maps, evaluate's heat maps)."""
+    if method not in METHODS:
+        raise VitftError(f"unknown explain method {method!r}; use one of {', '.join(METHODS)} (--method)")
 
 
 @dataclass
@@ -112,8 +121,7 @@ def attention_maps(model: VisionTransformer, x: torch.Tensor, method: str, targe
     `x` is the preprocessed batch; the model must be in eval mode. `target`: the class index gradcam explains
     (default: each image's prediction).
     """
-    if method not in METHODS:
-        raise VitftError(f"unknown explain method {method!r}; use one of {', '.join(METHODS)}")
+    check_method(method)
     prefix = model.num_prefix_tokens
     ph, pw = model.patch_embed.patch_size
     grid_h, grid_w = x.shape[-2] // ph, x.shape[-1] // pw
@@ -174,8 +182,8 @@ def _gradient_rollout(attns: Iterable[torch.Tensor], grads: Iterable[torch.Tenso
 def crop_box(image_hw: tuple[int, int], model_hw: tuple[int, int], crop_pct: float) -> tuple[int, int, int, int]:
     """(top, left, bottom, right) in image pixels of the centre crop that eval preprocessing shows the model.
 
-    Mirrors data.build_transforms(train=False): shorter side to size / crop_pct (a non-square size: both sides),
-    then a centre crop of the model's size.
+    Mirrors data.transforms.build_transforms(train=False): shorter side to size / crop_pct (a non-square size:
+    both sides), then a centre crop of the model's size.
     """
     H, W = image_hw
     h, w = model_hw
@@ -210,6 +218,12 @@ def _figure_name(index: int, path: str) -> str:
     return f"{index:04d}-{stem[:60]}.png"
 
 
+def _figure(image: np.ndarray, result: Explanation) -> Figure:
+    """The image, the image with its heat map, the top labels underneath."""
+    title = result.method + (f" for {result.target}" if result.target else "")
+    return explanation_figure(image, result.heatmap, Path(result.path).name, title, result.labels, result.probs)
+
+
 def _write_index(results: list[Explanation], folder: Path, title: str) -> Path:
     cells = []
     for r in results:
@@ -239,7 +253,7 @@ def _write_index(results: list[Explanation], folder: Path, title: str) -> Path:
 
 def explain(
     model: ModelLike,
-    images: Union[str, os.PathLike, Iterable[Union[str, os.PathLike]]],
+    images: ImagesLike,
     method: str = "rollout",
     target: Optional[str] = None,
     output: Union[str, os.PathLike, None] = None,
@@ -250,6 +264,7 @@ def explain(
     precision: str = "fp32",
     arch: Optional[str] = None,
     progress: Optional[ProgressFn] = None,
+    pretrained: bool = False,
 ) -> list[Explanation]:
     """Heat maps of where the model looked, one Explanation per image, in sorted path order.
 
@@ -258,10 +273,9 @@ def explain(
     gets a PNG there (the image, its heat map, the top-k labels) and index.html shows them all. Files that cannot be
     read give an Explanation with `error` set.
     """
-    if method not in METHODS:
-        raise VitftError(f"unknown --method {method!r}; use one of {', '.join(METHODS)}")
-    dev, paths, net = prepare_classifier(model, images, arch, img_size, top_k, batch_size, device, precision,
-                                         "explain")
+    check_method(method)
+    dev, paths, net = prepare_classifier(model, images, arch, pretrained, img_size, top_k, batch_size, device,
+                                         precision, "explain")
     _check_pooling(net)
     classes = label_names(net)
     target_index = None
@@ -273,7 +287,7 @@ def explain(
         target_index = classes.index(target)
     folder = Path(output).expanduser() if output is not None else None
     size = tuple(net.patch_embed.img_size)
-    crop_pct = net.pretrained_cfg.get("crop_pct", DEFAULT_CROP_PCT)
+    crop_pct = data_config(net.pretrained_cfg, size)["crop_pct"]
     transform = build_transforms(net.pretrained_cfg, size, train=False)
     k = min(top_k, len(classes))
     results: list[Explanation] = []
@@ -305,7 +319,7 @@ def explain(
                         head_maps=None if head_grids is None else head_grids[i].cpu().numpy())
                     if folder is not None:
                         result.figure = folder / _figure_name(start + i, result.path)
-                        save_png(explanation_figure(image, result), result.figure)
+                        save_png(_figure(image, result), result.figure)
                     results.append(result)
             if progress:
                 progress(min(start + batch_size, len(paths)), len(paths))

@@ -1,0 +1,132 @@
+"""The inference core below evaluate, predict and explain: which model references they accept (the same rules
+as the command line's), preparing a classifier, batched inference over a dataset, and top-k."""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from ..data.datasets import list_images
+from ..data.loaders import ImageDataset, build_loader, requested_batches
+from ..errors import VitftError
+from ..model import VisionTransformer
+from ..pos_embed import _pair
+from ..refs import RefKind, parse_ref
+from ..runtime import check_precision, compute_context, resolve_device
+from ..weights import load_model
+
+log = logging.getLogger("vitft")
+
+ModelLike = Union[str, os.PathLike, VisionTransformer]
+ImagesLike = Union[str, os.PathLike, Iterable[Union[str, os.PathLike]]]
+ProgressFn = Callable[[int, int], None]  # (images done, total)
+
+
+def check_model_source(model: ModelLike, arch: Optional[str], pretrained: bool) -> None:
+    """Refuse, before anything is loaded, a path that does not exist and a timm name given without pretrained
+    (which would quietly evaluate ImageNet weights where a run folder was meant)."""
+    if isinstance(model, torch.nn.Module):
+        return
+    ref = parse_ref(str(model))
+    if ref.kind in (RefKind.FOLDER, RefKind.FILE, RefKind.HUB, RefKind.LOCAL_DIR) or (arch and pretrained):
+        return
+    if ref.kind is RefKind.MISSING_PATH and not arch:
+        raise VitftError(f"model {model} not found; pass a run or model folder, a weights file with --model ARCH, "
+                         f"hf-hub:org/repo, or a timm name with --pretrained (pretrained=True in Python)")
+    if not arch and not pretrained:
+        raise VitftError(f"{model} is not a file or folder; to use the pretrained weights of the timm model "
+                         f"{model}, add --pretrained (pretrained=True in Python)")
+
+
+def label_names(model: VisionTransformer) -> list[str]:
+    """The model's class names, else (with a warning) its class indices as strings."""
+    names = model.pretrained_cfg.get("label_names")
+    if names and len(names) == model.num_classes:
+        return [str(n) for n in names]
+    log.warning("the model has no label names: labels are class indices")
+    return [str(i) for i in range(model.num_classes)]
+
+
+def top_k_hits(scores: torch.Tensor, targets: torch.Tensor, ks: Sequence[int] = (1, 5)) -> list[torch.Tensor]:
+    """Per k, a bool per row: is the target among the row's k highest scores (k capped at the number of classes)?
+
+    The one top-k accuracy of training's validation and of evaluate.
+    """
+    ranked = scores.topk(min(max(ks), scores.shape[1]), dim=1).indices == targets[:, None]
+    return [ranked[:, :k].any(dim=1) for k in ks]
+
+
+def prepare_model(model: ModelLike, arch: Optional[str], img_size) -> tuple[VisionTransformer, Optional[str]]:
+    """(model, source string): loads paths/names with load_model (check_model_source first); a built model is
+    copied if it must be resized."""
+    if isinstance(model, VisionTransformer):
+        if img_size is not None and _pair(img_size) != tuple(model.patch_embed.img_size):
+            model = copy.deepcopy(model)
+            model.set_input_size(_pair(img_size))
+        return model, None
+    if isinstance(model, torch.nn.Module):
+        raise VitftError(f"evaluate/predict take a vitft VisionTransformer or a model path/name, not a "
+                         f"{type(model).__name__}")
+    return load_model(str(model), arch=arch, img_size=img_size), str(model)
+
+
+def check_runtime(batch_size: int, device: str, precision: str) -> torch.device:
+    """The device to run on; an unusable batch size, device or precision fails now, before any loading."""
+    if batch_size < 1:
+        raise VitftError(f"--batch-size must be at least 1, got {batch_size}")
+    dev = resolve_device(device)
+    check_precision(dev, precision)
+    return dev
+
+
+def prepare_classifier(model: ModelLike, inputs: ImagesLike, arch: Optional[str], pretrained: bool, img_size,
+                       top_k: int, batch_size: int, device: str, precision: str, purpose: str
+                       ) -> tuple[torch.device, list[Path], VisionTransformer]:
+    """(device, image paths, model) for predict and explain, every argument checked before any image is read."""
+    if top_k < 1:
+        raise VitftError(f"--top-k must be at least 1, got {top_k}")
+    dev = check_runtime(batch_size, device, precision)
+    check_model_source(model, arch, pretrained)
+    paths = list_images(inputs)
+    net, _ = prepare_model(model, arch, img_size)
+    if net.num_classes <= 0:
+        raise VitftError(f"the model has no classifier head (num_classes=0); {purpose} needs a classifier")
+    return dev, paths, net
+
+
+def infer(model: VisionTransformer, dataset: ImageDataset, batch_size: int, workers: Optional[int],
+          device: torch.device, precision: str, tta: bool, progress: Optional[ProgressFn]
+          ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(requested indices, decoded, log-probabilities) per batch, in dataset order.
+
+    `decoded` is False where the requested image failed to decode and another one was used in its place: callers
+    drop those rows (see data.loaders.requested_batches).
+    """
+    loader = build_loader(dataset, batch_size, train=False, workers=workers, device_type=device.type)
+    was_training = model.training
+    model.to(device).eval()
+    done = 0
+    try:
+        with torch.inference_mode():
+            for x, _, requested, decoded in requested_batches(loader):
+                x = x.to(device, non_blocking=True)
+                with compute_context(device, precision):
+                    logits = model(x)
+                    flipped = model(torch.flip(x, dims=[3])) if tta else None
+                logp = F.log_softmax(logits.float(), dim=1)
+                if flipped is not None:  # log of the mean of the two softmaxes
+                    both = torch.stack([logp, F.log_softmax(flipped.float(), dim=1)])
+                    logp = torch.logsumexp(both, dim=0) - math.log(2)
+                done += len(requested)
+                yield requested, decoded, logp.cpu()
+                if progress:
+                    progress(done, len(dataset))
+    finally:
+        model.train(was_training)
