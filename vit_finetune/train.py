@@ -483,10 +483,13 @@ class Trainer:
     def train_epoch(self, progress) -> tuple[float, float, bool]:
         cfg, epoch = self.cfg, self.epoch
         self.net.train()
+        # the epoch's order and augmentation depend on (seed, epoch) alone: a resume repeats them, and one process
+        # takes DistributedSampler's permutation, whose interleaved shards make up the same global batches
         if self.ddp.enabled:
             self.train_loader.sampler.set_epoch(epoch)
         else:
-            self.train_loader.sampler.generator.manual_seed(cfg.seed * 1000 + epoch)  # same order on resume
+            self.train_loader.sampler.generator.manual_seed(cfg.seed + epoch)
+        self.train_set.set_epoch(cfg.seed, epoch)
         skip = self.step_in_epoch * cfg.accum_steps
         # run the loader to its end when uncapped, so that it reports the images it had to skip
         stop = self.batches_per_epoch if self.batches_per_epoch < len(self.train_loader) else None
