@@ -177,7 +177,8 @@ def test_tta_and_another_resolution(run_dir, eval_data, tmp_path):
     rows = {r["path"]: float(r["confidence"]) for r in _read_csv(tmp_path / "out" / "predictions.csv")}
     assert len(rows) == 48
     for tta in (True, False):  # the flag reaches the computation: --tta is the library's tta=True, not tta=False
-        library = evaluate(str(run_dir), eval_data, tta=tta, img_size=48, workers=0, device="cpu", output=None).predictions
+        library = evaluate(str(run_dir), eval_data, tta=tta, img_size=48, workers=0, device="cpu",
+                           output=None).predictions
         differences = [abs(rows[p["path"]] - p["confidence"]) for p in library]
         assert max(differences) <= 1e-6 if tta else max(differences) > 1e-4  # the CSV rounds to 6 decimals
 

@@ -65,6 +65,8 @@ class ImageDataset(Dataset):
         self.cache_side = math.ceil(1.15 * max(side / crop_pct, side)) if cache and side else None
         self._cache: torch.Tensor | None = None
         self._reported = 0
+        # (seed, epoch) of per-image augmentation (set_epoch), shared with the workers; epoch -1: one running stream
+        self._augment_seed = torch.tensor([0, -1]).share_memory_()
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -74,7 +76,14 @@ class ImageDataset(Dataset):
         other = copy.copy(self)
         other.transform = transform
         other.return_index = self.return_index if return_index is None else return_index
+        other._augment_seed = torch.tensor([0, -1]).share_memory_()  # its own passes: not the training epochs'
         return other
+
+    def set_epoch(self, seed: int, epoch: int) -> None:
+        """Augment image i of this epoch from a seed of its own, (seed, epoch, i): the same crop and flip
+        whichever worker or process loads it, and after a resume mid-epoch, so that DDP ranks and resumed runs
+        repeat what one uninterrupted process does. Call it before the epoch's loader iterator is made."""
+        self._augment_seed.copy_(torch.tensor([seed, epoch]))
 
     def __getitem__(self, index: int) -> tuple:
         i = index
@@ -88,6 +97,9 @@ class ImageDataset(Dataset):
             i = (i + 1) % len(self)
         else:
             raise VitftError(f"{self.name}: none of the {len(self)} images can be decoded, e.g. {few(self.paths)}")
+        seed, epoch = self._augment_seed.tolist()
+        if epoch >= 0:
+            _seed_transform(self, int(np.random.SeedSequence([seed % 2**32, epoch, index]).generate_state(1)[0]))
         x = self.transform(image=image)["image"]
         return (x, self.labels[i], i) if self.return_index else (x, self.labels[i])
 

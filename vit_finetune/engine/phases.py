@@ -126,10 +126,13 @@ def image_steps(trainer: Trainer) -> Steps:
     """The training images through the wrapped model, with mixup, accumulation and DDP's gradient sync."""
     cfg, epoch, loader = trainer.cfg, trainer.state.epoch, trainer.train_loader
     trainer.net.train()
+    # the epoch's order and augmentation depend on (seed, epoch) alone: a resume repeats them, and one process
+    # takes DistributedSampler's permutation, whose interleaved shards make up the same global batches
     if trainer.ddp.enabled:
         loader.sampler.set_epoch(epoch)
     else:
-        loader.sampler.generator.manual_seed(cfg.seed * 1000 + epoch)  # same order on resume
+        loader.sampler.generator.manual_seed(cfg.seed + epoch)
+    trainer.train_set.set_epoch(cfg.seed, epoch)
     skip = trainer.state.step_in_epoch * cfg.accum_steps
     # run the loader to its end when uncapped, so that it reports the images it had to skip
     stop = trainer.batches_per_epoch if trainer.batches_per_epoch < len(loader) else None
