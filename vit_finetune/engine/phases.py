@@ -168,6 +168,8 @@ def feature_steps(trainer: Trainer, features: FeatureSet) -> Steps:
 
 def image_logits(trainer: Trainer, model: nn.Module) -> Logits:
     """The model's logits on this rank's validation images."""
+    if trainer.val_set is None:  # a rank with no validation images (fewer than processes) adds nothing
+        return
     for images, targets, _, keep in requested_batches(trainer.val_loader):  # keep: not replaced by another image
         if not keep.any():
             continue
