@@ -8,7 +8,7 @@ import pytest
 from vit_finetune import VitftError
 from vit_finetune.cli import _check_model_arg
 from vit_finetune.hub import _is_local_path, _public_weights, base_model
-from vit_finetune.refs import RefKind, parse_ref
+from vit_finetune.weights.refs import RefKind, parse_ref
 
 
 def test_every_kind_of_reference(tmp_path, monkeypatch):

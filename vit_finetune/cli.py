@@ -147,7 +147,7 @@ def _matches(pattern: str, *names: str) -> bool:
 def models_cmd(pattern: str = typer.Argument(
         "*", help="Text found in the architecture or alias name (dinov2, deit), or a glob ('*base*').")):
     """List the supported architectures and aliases."""
-    from .archs import ALIASES, get_arch, list_archs
+    from .models.archs import ALIASES, get_arch, list_archs
 
     table = Table(title="vitft models")
     for col in ("name", "params (M)", "img size", "patch", "default weights"):
@@ -309,7 +309,7 @@ def _quoted(path) -> str:
 # <evaluate-commands>
 def _check_model_arg(model: str, arch: Optional[str], pretrained: bool) -> None:
     """Clear errors for a missing path, and for a timm name given without --pretrained."""
-    from .refs import RefKind, parse_ref
+    from .weights.refs import RefKind, parse_ref
 
     ref = parse_ref(model)
     if ref.kind in (RefKind.FOLDER, RefKind.FILE, RefKind.HUB, RefKind.LOCAL_DIR) or (arch and pretrained):
@@ -324,7 +324,7 @@ def _check_model_arg(model: str, arch: Optional[str], pretrained: bool) -> None:
 
 def default_output(model: str) -> Path:
     """The run folder for a local model folder, else ./eval-<model name>."""
-    from .refs import RefKind, parse_ref
+    from .weights.refs import RefKind, parse_ref
 
     ref = parse_ref(model)
     if ref.kind in (RefKind.LOCAL_DIR, RefKind.FOLDER):

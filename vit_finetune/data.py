@@ -23,12 +23,13 @@ import cv2
 import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
-from timm.data.constants import DEFAULT_CROP_PCT, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.data.constants import DEFAULT_CROP_PCT
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, get_worker_info
 
 from vit_finetune.errors import VitftError
-from vit_finetune.pos_embed import _pair
+from vit_finetune.models.pos_embed import to_int_pair
 from vit_finetune.runtime import CpuPlan, fit_cpu_threads, torch_threads
+from vit_finetune.weights.preprocessing import preprocessing
 
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # albumentations would otherwise ask PyPI on every import
 import albumentations as A  # noqa: E402
@@ -288,14 +289,13 @@ def build_transforms(
 
     Training uses albumentations (cv2 is faster than PIL); evaluation is timm's own eval transform (EvalTransform).
     """
-    h, w = _pair(img_size)
-    name = pretrained_cfg.get("interpolation", "bicubic")
+    h, w = to_int_pair(img_size)
+    pre = preprocessing(pretrained_cfg)
+    name, mean, std = pre.interpolation, pre.mean, pre.std
     if name not in INTERPOLATIONS:
         raise VitftError(f"unknown interpolation {name!r} in pretrained_cfg; use one of {', '.join(INTERPOLATIONS)}")
-    mean = pretrained_cfg.get("mean", IMAGENET_DEFAULT_MEAN)
-    std = pretrained_cfg.get("std", IMAGENET_DEFAULT_STD)
     if not train:
-        return EvalTransform((h, w), pretrained_cfg.get("crop_pct") or DEFAULT_CROP_PCT, name, mean, std)
+        return EvalTransform((h, w), pre.crop_pct, name, mean, std)
     interpolation = INTERPOLATIONS[name]
     ops = [
         A.RandomResizedCrop((h, w), scale, ratio, interpolation=interpolation, area_for_downscale="image"),
@@ -409,7 +409,7 @@ class ImageDataset(Dataset):
         self.failed = torch.zeros(len(self.paths), dtype=torch.bool).share_memory_()  # set by any worker
         self.transform, self.return_index, self.name, self.cache = transform, return_index, name, cache
         self.img_size = img_size
-        side = max(_pair(img_size)) if img_size else None
+        side = max(to_int_pair(img_size)) if img_size else None
         self.cache_side = math.ceil(1.15 * max(side / crop_pct, side)) if cache and side else None
         self._cache: torch.Tensor | None = None
         self._reported = 0
@@ -516,7 +516,7 @@ _DECODE_MS_PER_PIXEL, _AUGMENT_MS_PER_PIXEL, _STEP_MS_PER_PIXEL = 18e-6, 10e-6, 
 
 def _work_per_image(dataset: Dataset, train: bool) -> tuple[float, float]:
     """(data, model) single-core milliseconds per image: what fit_cpu_threads divides the cores by."""
-    h, w = _pair(getattr(dataset, "img_size", None) or 224)
+    h, w = to_int_pair(getattr(dataset, "img_size", None) or 224)
     data_ms = _AUGMENT_MS_PER_PIXEL * h * w
     sizes = getattr(dataset, "sizes", None)
     if sizes and not getattr(dataset, "cache", False):  # cached images are decoded once, not at every step

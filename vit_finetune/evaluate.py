@@ -23,7 +23,6 @@ from typing import IO, Optional, Sequence, Union
 import numpy as np
 import torch
 import torch.nn.functional as F
-from timm.data.constants import DEFAULT_CROP_PCT, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 from .data import (
     ImageDataset,
@@ -35,11 +34,12 @@ from .data import (
 )
 from .errors import VitftError
 from .files import atomic_write, printable, printable_tree
-from .model import VisionTransformer
+from .models.pos_embed import to_int_pair
+from .models.vit import VisionTransformer
 from .plots import confusion_figure, mistakes_figure, save_png, shown_mistakes
-from .pos_embed import _pair
 from .runtime import check_precision, compute_context, resolve_device
-from .weights import describe_weights, load_model
+from .weights.loading import describe_weights, load_model
+from .weights.preprocessing import preprocessing
 
 log = logging.getLogger("vitft")
 
@@ -173,9 +173,9 @@ def top_k_hits(scores: torch.Tensor, targets: torch.Tensor, ks: Sequence[int] = 
 def _prepare_model(model: ModelLike, arch: Optional[str], img_size) -> tuple[VisionTransformer, Optional[str]]:
     """(model, source string): loads paths/names with load_model; a built model is copied if it must be resized."""
     if isinstance(model, VisionTransformer):
-        if img_size is not None and _pair(img_size) != tuple(model.patch_embed.img_size):
+        if img_size is not None and to_int_pair(img_size) != tuple(model.patch_embed.img_size):
             model = copy.deepcopy(model)
-            model.set_input_size(_pair(img_size))
+            model.set_input_size(to_int_pair(img_size))
         return model, None
     if isinstance(model, torch.nn.Module):
         raise VitftError(f"evaluate/predict take a vitft VisionTransformer or a model path/name, not a "
@@ -197,13 +197,13 @@ def prepare_classifier(model: ModelLike, inputs, arch: Optional[str], img_size, 
 
 
 def _preprocessing(model: VisionTransformer, tta: bool) -> dict:
-    cfg = model.pretrained_cfg
+    pre = preprocessing(model.pretrained_cfg)
     return {
         "img_size": list(model.patch_embed.img_size),
-        "mean": [float(v) for v in cfg.get("mean", IMAGENET_DEFAULT_MEAN)],
-        "std": [float(v) for v in cfg.get("std", IMAGENET_DEFAULT_STD)],
-        "interpolation": cfg.get("interpolation", "bicubic"),
-        "crop_pct": float(cfg.get("crop_pct", DEFAULT_CROP_PCT)),
+        "mean": list(pre.mean),
+        "std": list(pre.std),
+        "interpolation": pre.interpolation,
+        "crop_pct": pre.crop_pct,
         "tta": bool(tta),
     }
 
@@ -442,7 +442,7 @@ def evaluate(
     size = tuple(net.patch_embed.img_size)
     transform = build_transforms(net.pretrained_cfg, size, train=False)
     dataset = ImageDataset([(p, to_model[label]) for p, label in samples], transform, img_size=size,
-                           crop_pct=net.pretrained_cfg.get("crop_pct", DEFAULT_CROP_PCT), return_index=True,
+                           crop_pct=preprocessing(net.pretrained_cfg).crop_pct, return_index=True,
                            name=f"{data_info['split']} images")
     skipped = [str(p) for p in dataset.unreadable]
     keep, logps = [], []
@@ -546,7 +546,7 @@ def predict(
     transform = build_transforms(net.pretrained_cfg, size, train=False)
     try:
         dataset = ImageDataset(paths, transform, img_size=size, return_index=True, name="inputs",
-                               crop_pct=net.pretrained_cfg.get("crop_pct", DEFAULT_CROP_PCT))
+                               crop_pct=preprocessing(net.pretrained_cfg).crop_pct)
     except VitftError:  # not one readable image: every row is an error
         rows = iter([Prediction(str(p), [], [], unreadable_reason(p)) for p in paths])
         return Predictions(rows, len(paths), k, classes)

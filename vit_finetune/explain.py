@@ -32,15 +32,15 @@ from typing import Optional, Union
 
 import numpy as np
 import torch
-from timm.data.constants import DEFAULT_CROP_PCT
 
 from .data import build_transforms, load_rgb
 from .errors import VitftError
 from .evaluate import ModelLike, ProgressFn, label_names, prepare_classifier
 from .files import atomic_write, printable
-from .model import VisionTransformer
+from .models.vit import VisionTransformer
 from .plots import explanation_figure, save_png
 from .runtime import compute_context
+from .weights.preprocessing import preprocessing
 
 log = logging.getLogger("vitft")
 
@@ -273,7 +273,7 @@ def explain(
         target_index = classes.index(target)
     folder = Path(output).expanduser() if output is not None else None
     size = tuple(net.patch_embed.img_size)
-    crop_pct = net.pretrained_cfg.get("crop_pct", DEFAULT_CROP_PCT)
+    crop_pct = preprocessing(net.pretrained_cfg).crop_pct
     transform = build_transforms(net.pretrained_cfg, size, train=False)
     k = min(top_k, len(classes))
     results: list[Explanation] = []

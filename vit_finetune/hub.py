@@ -26,7 +26,7 @@ from typing import Any, Iterator, Optional, Union
 
 from .errors import VitftError
 from .onnx_export import ONNX_FILES
-from .refs import RefKind, parse_ref
+from .weights.refs import RefKind, parse_ref
 
 log = logging.getLogger("vitft")
 
@@ -165,7 +165,7 @@ def base_model(train: dict) -> Optional[str]:
         return None
     if ref.kind is RefKind.HUB:
         return ref.target or None
-    from .weights import resolve
+    from .weights.sources import resolve
 
     try:
         source = resolve(str(model), ref.text) if model and ref.text != model else resolve(ref.text, True)
@@ -288,7 +288,7 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
     info = _run_info(run)
     train, data, best = info["train"], info["data"], info["best"]
     if model is None:
-        from .weights import load_model
+        from .weights.loading import load_model
 
         model = load_model(str(run))
     cfg = dict(model.pretrained_cfg)
@@ -445,8 +445,8 @@ def _check_img_size(config: dict, img_size: Optional[int]) -> None:
     """An --img-size must hold at least one patch (checked before anything is loaded)."""
     if img_size is None:
         return
-    from .archs import get_arch, split_name
-    from .pos_embed import _pair
+    from .models.archs import get_arch, split_name
+    from .models.pos_embed import to_int_pair
 
     patch = _dict(config.get("model_args")).get("patch_size")
     if patch is None:
@@ -454,7 +454,7 @@ def _check_img_size(config: dict, img_size: Optional[int]) -> None:
             patch = get_arch(split_name(str(config.get("architecture")))[0]).kwargs.get("patch_size", 1)
         except Exception:  # noqa: BLE001 - an unknown architecture is reported by load_model itself
             patch = 1
-    patch = max(_pair(patch))
+    patch = max(to_int_pair(patch))
     if img_size < patch:
         raise VitftError(f"--img-size {img_size} is smaller than the model's patch size {patch}; pass a multiple "
                          f"of {patch}")
@@ -495,7 +495,8 @@ def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwri
         raise VitftError(f"{out} holds {', '.join(replaced)} but no exported model (config.json + model.safetensors): "
                          "--overwrite only replaces an earlier export's files; pick another folder")
     from .files import plain_permissions
-    from .weights import load_model, save_pretrained
+    from .weights.loading import load_model
+    from .weights.saving import save_pretrained
 
     info = _run_info(run)
     _check_img_size(info["config"], img_size)
@@ -635,9 +636,9 @@ def push(run_dir: PathLike, repo_id: str, token: Optional[str] = None, private: 
     export lives in a temporary folder that is always removed.
     """
     run = _check_run(run_dir)
-    from .weights import _weights_in
+    from .weights.sources import weights_in
 
-    _weights_in(run)  # the cheap local checks first: nothing is created on the Hub for a broken run
+    weights_in(run)  # the cheap local checks first: nothing is created on the Hub for a broken run
     repo_id = _check_repo_id(repo_id)
     _torch_dtype(dtype)
     if create_pr and revision not in (None, "main"):

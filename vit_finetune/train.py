@@ -28,19 +28,20 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.data.constants import DEFAULT_CROP_PCT
 
-from .archs import get_arch
 from .config import TrainConfig
 from .data import DatasetSplits, ImageDataset, build_loader, build_transforms, find_dataset
 from .errors import VitftError
 from .evaluate import top_k_hits
 from .features import FeatureSet, extract_features
 from .files import atomic_write
+from .models.archs import get_arch
 from .progress import ProgressBar
-from .refs import RefKind, parse_ref
 from .runtime import check_precision, compute_context, resolve_device
-from .weights import create_model, describe_weights, save_pretrained
+from .weights.loading import create_model, describe_weights
+from .weights.preprocessing import preprocessing
+from .weights.refs import RefKind, parse_ref
+from .weights.saving import save_pretrained
 
 log = logging.getLogger("vitft")
 
@@ -282,7 +283,7 @@ class Trainer:
             pcfg, self.img_size, train=True, scale=cfg.scale, ratio=cfg.ratio, hflip=cfg.hflip,
             color_jitter=cfg.color_jitter, strong=cfg.strong_aug)
         self.eval_tf = eval_tf = build_transforms(pcfg, self.img_size, train=False)
-        crop_pct = pcfg.get("crop_pct", DEFAULT_CROP_PCT)
+        crop_pct = preprocessing(pcfg).crop_pct
         self.train_set = ImageDataset(self.splits.train, train_tf, cache=cfg.cache, img_size=self.img_size,
                                       crop_pct=crop_pct, name="train")
         # each rank evaluates its own slice of the validation set, so nothing is counted twice; a rank left
