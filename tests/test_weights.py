@@ -88,6 +88,19 @@ def test_wrapped_pth_with_module_prefix_loads(tmp_path, tiny_ckpt):
         assert torch.equal(value, state[key]), key
 
 
+
+def test_bare_pth_file_is_read_once(tmp_path, tiny_ckpt, monkeypatch):
+    """Recognising its layout, sizing the head from it and loading it: one torch.load of the file."""
+    from vit_finetune import load_model
+
+    _, state = tiny_ckpt
+    path = tmp_path / "ckpt.pth"
+    torch.save(state, path)
+    real_load, reads = torch.load, []
+    monkeypatch.setattr(torch, "load", lambda f, *args, **kw: reads.append(Path(f)) or real_load(f, *args, **kw))
+    model = load_model(str(path), arch=TINY_ARCH, depth=2)
+    assert reads == [path] and model.num_classes == 1000 and model.load_report.layout == "timm"
+
 # ---- the Hugging Face cache, through the real huggingface_hub client ------------------------------
 def put_in_hf_cache(hf_home: Path, repo_id: str, files: dict[str, Path]) -> Path:
     """Lay `files` out as huggingface_hub's cache does: blobs/, snapshots/<commit>/ symlinks, refs/main."""

@@ -1,6 +1,6 @@
 """Where the model looked: attention heat maps of a ViT's predictions.
 
-Every method reads the attention weights that the native `Attention` hands to its `attn_hook` (model.py), and then
+Every method reads the attention weights that the native `Attention` hands to its `attn_hook` (models.layers), and then
 reads the rows of the tokens the classifier pools: the class token's row for global_pool='token', the mean of the
 pooled rows for average/max pooling (the patch rows, or every row with pool_include_prefix). Only the patch columns
 make the map; prefix tokens (class, registers: `model.num_prefix_tokens` of them) are dropped.

@@ -92,8 +92,8 @@ class VisionTransformer(nn.Module):
         self.dynamic_img_size = dynamic_img_size
         self.grad_checkpointing = False
         self.pretrained_cfg: dict = {}
-        self.model_args: dict = {}  # the arguments that differ from the architecture's (weights.create_model)
-        self.load_report = None  # weights.LoadReport: what loading a checkpoint did (None: random init)
+        self.model_args: dict = {}  # the arguments that differ from the architecture's (differing_args)
+        self.load_report = None  # weights.loading.LoadReport: what loading a checkpoint did (None: random init)
 
         self.patch_embed = PatchEmbed(
             img_size, patch_size, in_chans, embed_dim, bias=not pre_norm,
