@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from vit_finetune import VisionTransformer
-from vit_finetune.archs import get_arch
+from vit_finetune.models.archs import get_arch
 
 
 def parse_args() -> argparse.Namespace:

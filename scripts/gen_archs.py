@@ -1,4 +1,4 @@
-"""Regenerate vit_finetune/archs.json from the installed timm.
+"""Regenerate vit_finetune/models/archs.json from the installed timm.
 
 Every timm `vision_transformer` and `deit` entrypoint is called with timm's model
 factory intercepted, so we record exactly the hyperparameters timm would build with
@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from timm.layers import GluMlp, LayerNorm, RmsNorm, SwiGLU
 
-OUT = Path(__file__).resolve().parents[1] / "vit_finetune" / "archs.json"
+OUT = Path(__file__).resolve().parents[1] / "vit_finetune" / "models" / "archs.json"
 UNSUPPORTED = {"block_fn", "attn_layer"}
 FACTORY_ONLY = {"cache_dir", "pretrained_cfg", "pretrained_cfg_overlay"}  # create_model plumbing, not hyperparameters
 MODULES = ("vision_transformer", "deit")

@@ -7,7 +7,7 @@ import timm
 import torch
 
 from vit_finetune import create_model
-from vit_finetune.weights import TIMM_FILTER_LAYOUT
+from vit_finetune.weights.layouts import TIMM_FILTER_LAYOUT
 
 SMALL = dict(depth=2, embed_dim=64, num_heads=2)
 
@@ -95,3 +95,29 @@ def test_foreign_layout_matches_timm(tmp_path, layout):
         expected, got = reference(x), ours(x)
         assert (theirs(x) - expected).abs().max() < 1e-5  # the layout round trip is exact
         assert (got - expected).abs().max() < 1e-5
+
+
+RESIZED = {  # layout -> (img_size it was trained at, img_size it is loaded at, the grids the report names)
+    "openai_clip": (224, 112, "position embedding 14x14 -> 7x7"),
+    "original_dinov2": (70, 42, "position embedding 5x5 -> 3x3"),
+}
+
+
+@pytest.mark.parametrize("layout", RESIZED)
+def test_foreign_layout_at_another_size_reports_the_resized_grid(tmp_path, layout):
+    """timm's filter converts these layouts; the position grid is resized once, in vitft's own step, and the
+    load report says so (as for every other layout), with the logits of timm's model at that size (1e-5)."""
+    arch, kwargs, to_layout = CASES[layout]
+    trained_at, loaded_at, resized = RESIZED[layout]
+    kwargs = dict(kwargs, img_size=trained_at)
+    path = tmp_path / "foreign.pth"
+    torch.save(to_layout(_timm_model(arch, **kwargs).state_dict()), path)
+
+    kwargs["img_size"] = loaded_at
+    theirs = timm.create_model(arch, pretrained=True, **SMALL, **kwargs,
+                               pretrained_cfg_overlay=dict(file=str(path), num_classes=kwargs["num_classes"])).eval()
+    ours = create_model(arch, pretrained=path, **SMALL, **kwargs).eval()
+    assert ours.load_report.layout == TIMM_FILTER_LAYOUT and ours.load_report.resized == [resized]
+    x = torch.randn(2, 3, loaded_at, loaded_at, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (ours(x) - theirs(x)).abs().max() < 1e-5

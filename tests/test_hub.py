@@ -213,7 +213,7 @@ def test_pushed_repo_loads_in_timm_and_vitft(pushed, hub, run, x, tmp_path):
     assert pushed["proc"].returncode == 0
     torch.save(x, tmp_path / "x.pt")
     expected = reference_logits(run, x)
-    kinds = {"timm": "timm.models.vision_transformer", "vitft": "vit_finetune.model"}
+    kinds = {"timm": "timm.models.vision_transformer", "vitft": "vit_finetune.models.vit"}
     procs = {kind: subprocess.Popen(  # both at once; each with a fresh cache and no token (the repo is public)
         [sys.executable, "-c", LOGITS, kind, f"hf-hub:{REPO}", str(tmp_path / "x.pt")],
         env=hub_env(hub.url, tmp_path / f"home_{kind}"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -548,7 +548,7 @@ def test_non_utf8_class_folder_in_the_card(tmp_path):
 def test_save_pretrained_replaces_config_then_weights(tiny_model_dir, tmp_path, monkeypatch):
     """Both files are written in full first, then renamed: config.json, then model.safetensors. A failure
     before the last rename leaves the previous weights, never new weights with the previous config.json."""
-    import vit_finetune.weights as weights
+    import vit_finetune.weights.saving as saving
     from vit_finetune import create_model, save_pretrained
 
     folder = tmp_path / "run"
@@ -563,12 +563,12 @@ def test_save_pretrained_replaces_config_then_weights(tiny_model_dir, tmp_path, 
             raise OSError("disk gone")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(weights.os, "replace", replace)
+    monkeypatch.setattr(saving.os, "replace", replace)
     with pytest.raises(OSError, match="disk gone"):
         save_pretrained(model, folder)
     assert (folder / "model.safetensors").read_bytes() == old_weights
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]  # no temp files left
-    monkeypatch.setattr(weights.os, "replace", lambda src, dst: (renamed.append(Path(dst).name),
+    monkeypatch.setattr(saving.os, "replace", lambda src, dst: (renamed.append(Path(dst).name),
                                                                  real_replace(src, dst)))
     renamed.clear()
     save_pretrained(model, folder)

@@ -16,15 +16,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vit_finetune"
 MAX_FILE_LINES = 500
 MAX_DEFINITION_LINES = 300
 
-# Issue 14 is done by four helpers at once: these are what the other three's branches remove. Each one xfails
-# (strict=False: it passes once their work is merged) with the reason; a cycle or long file not listed fails.
-_WEIGHTS = "issue 14, helper 'weights' (models/, weights/): "
-PENDING_CYCLES: dict[str, str] = {}
-PENDING_LONG_FILES = {
-    "vit_finetune/weights.py": _WEIGHTS + "weights.py split into weights/ (refs, sources, layouts, loading, saving)",
-    "vit_finetune/model.py": _WEIGHTS + "model.py split into models/ (vit, layers)",
-}
-PENDING_LONG_DEFINITIONS: dict[tuple[str, str], str] = {}
 
 
 def module_name(path: Path, package: Path = PACKAGE) -> str:
@@ -108,12 +99,6 @@ def find_cycle(graph: dict[str, set[str]], through: Optional[str] = None) -> Opt
     return None
 
 
-def _pending(table: dict, key) -> list:
-    """The xfail mark of a known problem another branch of issue 14 removes; none for everything else."""
-    reason = table.get(key)
-    return [pytest.mark.xfail(reason=reason, strict=False)] if reason else []
-
-
 def _relative(path: Path) -> str:
     return path.relative_to(PACKAGE.parent).as_posix()
 
@@ -146,14 +131,13 @@ def test_no_module_level_import_cycle():
     assert cycle is None, "module-level import cycle: " + " -> ".join(cycle)
 
 
-@pytest.mark.parametrize("module", [pytest.param(m, marks=_pending(PENDING_CYCLES, m)) for m in MODULES])
+@pytest.mark.parametrize("module", MODULES)
 def test_no_import_cycle_through_the_module_even_inside_functions(module):
     cycle = find_cycle(import_graph(), through=module)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=_pending(PENDING_LONG_FILES, _relative(p)), id=module_name(p))
-                                  for p in FILES])
+@pytest.mark.parametrize("path", FILES, ids=module_name)
 def test_source_file_is_at_most_500_lines(path):
     lines = len(path.read_text(encoding="utf-8").splitlines())
     assert lines <= MAX_FILE_LINES, f"{_relative(path)} has {lines} lines"
@@ -166,9 +150,6 @@ def _long_definitions(path: Path) -> list[tuple[str, int]]:
             and node.end_lineno - node.lineno + 1 > MAX_DEFINITION_LINES]
 
 
-@pytest.mark.parametrize("path", [
-    pytest.param(p, id=module_name(p), marks=[mark for key in PENDING_LONG_DEFINITIONS if key[0] == _relative(p)
-                                              for mark in _pending(PENDING_LONG_DEFINITIONS, key)])
-    for p in FILES])
+@pytest.mark.parametrize("path", FILES, ids=module_name)
 def test_no_function_or_class_over_300_lines(path):
     assert _long_definitions(path) == [], f"{_relative(path)}: (name, lines) over the limit"

@@ -18,7 +18,7 @@ import torch.nn as nn
 from timm.layers import GluMlp, RmsNorm, SwiGLU, resample_abs_pos_embed
 
 from vit_finetune import VisionTransformer, create_model, resize_pos_embed
-from vit_finetune.archs import _table, get_arch, list_archs
+from vit_finetune.models.archs import _table, get_arch, list_archs
 
 ATOL = RTOL = 1e-4
 

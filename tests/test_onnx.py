@@ -178,14 +178,14 @@ def test_failed_verification_leaves_no_onnx_file(tiny_model_dir, tmp_path, monke
 
 
 def test_missing_extra_fails_before_any_work(tiny_model_dir, tmp_path, monkeypatch):
-    import vit_finetune.weights
+    import vit_finetune.weights.loading
 
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # `import onnxruntime` raises ImportError
 
     def no_work(*args, **kwargs):
         raise AssertionError("the model was loaded before the missing extra was noticed")
 
-    monkeypatch.setattr(vit_finetune.weights, "load_model", no_work)
+    monkeypatch.setattr(vit_finetune.weights.loading, "load_model", no_work)
     with pytest.raises(VitftError, match=r"needs onnxruntime.*pip install 'vit-finetune\[onnx\]'"):
         export(tiny_model_dir, tmp_path / "out", onnx=True)
     assert not (tmp_path / "out").exists()

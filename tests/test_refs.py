@@ -7,8 +7,8 @@ import pytest
 
 from vit_finetune import VitftError
 from vit_finetune.hub.card import base_model, is_local_path, public_weights
-from vit_finetune.refs import RefKind, parse_ref
 from vit_finetune.tasks.inference import check_model_source
+from vit_finetune.weights.refs import RefKind, parse_ref
 
 
 def test_every_kind_of_reference(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 from test_weights import put_in_hf_cache  # noqa: E402
 
 from vit_finetune import VitftError, create_model, save_pretrained  # noqa: E402
-from vit_finetune.weights import describe_weights  # noqa: E402
+from vit_finetune.weights.loading import describe_weights  # noqa: E402
 
 LABELS = ["cat", "dog", "fox", "owl"]
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8,

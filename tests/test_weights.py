@@ -19,7 +19,7 @@ from conftest import CLASSES, NOT_UTF8, TINY, invoke_cli, make_images, tiny_clas
 from safetensors.torch import save_file
 
 from vit_finetune import VitftError, create_model, resize_pos_embed, save_pretrained
-from vit_finetune.weights import HUB_CONNECT_TIMEOUT, HUB_LOOKUP_TIMEOUT
+from vit_finetune.weights.download import HUB_CONNECT_TIMEOUT, HUB_LOOKUP_TIMEOUT
 
 TINY_ARCH = "vit_tiny_patch16_224"
 DISTILLED_ARCH = "deit_tiny_distilled_patch16_224"  # DeiT: distillation token and a second head
@@ -108,6 +108,18 @@ def test_real_dinov2_folder_matches_timm(dinov2_dir, size, batch, resized):
     torch.testing.assert_close(tokens, expected_tokens, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pooled, expected_pooled, atol=1e-5, rtol=1e-5)
 
+
+def test_bare_pth_file_is_read_once(tmp_path, tiny_ckpt, monkeypatch):
+    """Recognising its layout, sizing the head from it and loading it: one torch.load of the file."""
+    from vit_finetune import load_model
+
+    _, state = tiny_ckpt
+    path = tmp_path / "ckpt.pth"
+    torch.save(state, path)
+    real_load, reads = torch.load, []
+    monkeypatch.setattr(torch, "load", lambda f, *args, **kw: reads.append(Path(f)) or real_load(f, *args, **kw))
+    model = load_model(str(path), arch=TINY_ARCH, depth=2)
+    assert reads == [path] and model.num_classes == 1000 and model.load_report.layout == "timm"
 
 # ---- the Hugging Face cache, through the real huggingface_hub client ------------------------------
 def put_in_hf_cache(hf_home: Path, repo_id: str, files: dict[str, Path]) -> Path:

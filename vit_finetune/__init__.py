@@ -11,36 +11,37 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _PUBLIC = {  # name -> the module that defines it
-    "ALIASES": "archs", "list_archs": "archs",
+    "ALIASES": "models.archs", "list_archs": "models.archs",
     "VitftError": "errors",
     "EvalReport": "tasks.report", "evaluate": "tasks.evaluate",
     "Prediction": "tasks.predict", "predict": "tasks.predict",
     "Explanation": "tasks.explain", "explain": "tasks.explain",
     "PushResult": "hub.push", "export": "hub.export", "push": "hub.push",
-    "VisionTransformer": "model",
-    "resize_pos_embed": "pos_embed",
+    "VisionTransformer": "models.vit",
+    "resize_pos_embed": "models.pos_embed",
     "TrainConfig": "config",
     "RunResult": "engine.trainer", "finetune": "engine.api",
-    "create_model": "weights", "load_model": "weights", "save_pretrained": "weights",
+    "create_model": "weights.loading", "load_model": "weights.loading", "save_pretrained": "weights.saving",
 }
 
 __all__ = sorted(_PUBLIC)
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on demand
-    from .archs import ALIASES, list_archs  # noqa: F401
     from .config import TrainConfig  # noqa: F401
     from .engine.api import finetune  # noqa: F401
     from .engine.trainer import RunResult  # noqa: F401
     from .errors import VitftError  # noqa: F401
     from .hub.export import export  # noqa: F401
     from .hub.push import PushResult, push  # noqa: F401
-    from .model import VisionTransformer  # noqa: F401
-    from .pos_embed import resize_pos_embed  # noqa: F401
+    from .models.archs import ALIASES, list_archs  # noqa: F401
+    from .models.pos_embed import resize_pos_embed  # noqa: F401
+    from .models.vit import VisionTransformer  # noqa: F401
     from .tasks.evaluate import evaluate  # noqa: F401
     from .tasks.explain import Explanation, explain  # noqa: F401
     from .tasks.predict import Prediction, predict  # noqa: F401
     from .tasks.report import EvalReport  # noqa: F401
-    from .weights import create_model, load_model, save_pretrained  # noqa: F401
+    from .weights.loading import create_model, load_model  # noqa: F401
+    from .weights.saving import save_pretrained  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

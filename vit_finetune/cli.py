@@ -83,7 +83,7 @@ def _matches(pattern: str, *names: str) -> bool:
 def models_cmd(pattern: str = typer.Argument(
         "*", help="Text found in the architecture or alias name (dinov2, deit), or a glob ('*base*').")):
     """List the supported architectures and aliases."""
-    from .archs import ALIASES, get_arch, list_archs
+    from .models.archs import ALIASES, get_arch, list_archs
 
     table = Table(title="vitft models")
     for col in ("name", "params (M)", "img size", "patch", "default weights"):

@@ -3,13 +3,12 @@ read the defaults without importing torch."""
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-from .errors import VitftError
+from .errors import VitftError, did_you_mean
 
 DATA, MODEL, OPTIMISATION, AUGMENTATION, RUNTIME, OUTPUT = (
     "Data", "Model", "Optimisation", "Augmentation", "Runtime", "Output")
@@ -127,17 +126,12 @@ class TrainConfig:
         types = typing.get_type_hints(cls)
         unknown = sorted(set(values) - set(types))
         if unknown:
-            named = [k + _did_you_mean(k, types) for k in unknown]
+            named = [k + did_you_mean(k, types) for k in unknown]
             raise VitftError(f"unknown option(s) {', '.join(named)}; valid: {', '.join(sorted(types))}")
         return cls(**{k: _coerce(k, v, types[k]) for k, v in values.items()})
 
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
-
-
-def _did_you_mean(key: str, names) -> str:
-    close = difflib.get_close_matches(key, list(names), n=3, cutoff=0.6)
-    return f" (did you mean {', '.join(close)}?)" if close else ""
 
 
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string",

@@ -177,7 +177,7 @@ class RunFolder:
     # -- the model files
     def save_model(self, model, info: dict) -> None:
         """The best model so far: config.json + model.safetensors, `info` under the config's "vitft" key."""
-        from .weights import save_pretrained
+        from .weights.saving import save_pretrained
 
         save_pretrained(model, self.path, extra_config={"vitft": info})
 

@@ -19,7 +19,7 @@ from timm.data.constants import DEFAULT_CROP_PCT
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, get_worker_info
 
 from ..errors import VitftError
-from ..pos_embed import _pair
+from ..models.pos_embed import to_int_pair
 from ..runtime import CpuPlan, fit_cpu_threads, torch_threads
 from .datasets import Sample
 from .images import few, load_rgb, probe, shrunk
@@ -61,7 +61,7 @@ class ImageDataset(Dataset):
         self.failed = torch.zeros(len(self.paths), dtype=torch.bool).share_memory_()  # set by any worker
         self.transform, self.return_index, self.name, self.cache = transform, return_index, name, cache
         self.img_size = img_size
-        side = max(_pair(img_size)) if img_size else None
+        side = max(to_int_pair(img_size)) if img_size else None
         self.cache_side = math.ceil(1.15 * max(side / crop_pct, side)) if cache and side else None
         self._cache: torch.Tensor | None = None
         self._reported = 0
@@ -180,7 +180,7 @@ _DECODE_MS_PER_PIXEL, _AUGMENT_MS_PER_PIXEL, _STEP_MS_PER_PIXEL = 18e-6, 10e-6, 
 
 def _work_per_image(dataset: Dataset, train: bool) -> tuple[float, float]:
     """(data, model) single-core milliseconds per image: what fit_cpu_threads divides the cores by."""
-    h, w = _pair(getattr(dataset, "img_size", None) or 224)
+    h, w = to_int_pair(getattr(dataset, "img_size", None) or 224)
     data_ms = _AUGMENT_MS_PER_PIXEL * h * w
     sizes = getattr(dataset, "sizes", None)
     if sizes and not getattr(dataset, "cache", False):  # cached images are decoded once, not at every step

@@ -10,10 +10,9 @@ import cv2
 import numpy as np
 import torch
 from PIL import Image
-from timm.data import resolve_data_config
 
 from ..errors import VitftError
-from ..pos_embed import _pair
+from ..weights.preprocessing import data_config
 
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # albumentations would otherwise ask PyPI on every import
 import albumentations as A  # noqa: E402
@@ -36,17 +35,6 @@ PIL_INTERPOLATIONS = {
 }
 
 
-def data_config(pretrained_cfg: dict, img_size: int | tuple[int, int]) -> dict:
-    """timm's preprocessing settings of a model at `img_size`: input_size, interpolation, mean, std, crop_pct,
-    crop_mode, each from `pretrained_cfg` or else timm's default (resolve_data_config)."""
-    h, w = _pair(img_size)
-    config = resolve_data_config({"input_size": (3, h, w)}, pretrained_cfg=dict(pretrained_cfg))
-    if config["interpolation"] not in INTERPOLATIONS:
-        raise VitftError(f"unknown interpolation {config['interpolation']!r} in pretrained_cfg; use one of "
-                         f"{', '.join(INTERPOLATIONS)}")
-    return config
-
-
 def build_transforms(
     pretrained_cfg: dict,
     img_size: int | tuple[int, int],
@@ -64,6 +52,9 @@ def build_transforms(
     both take their settings from data_config.
     """
     config = data_config(pretrained_cfg, img_size)
+    if config["interpolation"] not in INTERPOLATIONS:
+        raise VitftError(f"unknown interpolation {config['interpolation']!r} in pretrained_cfg; use one of "
+                         f"{', '.join(INTERPOLATIONS)}")
     size, name, mean, std = config["input_size"][1:], config["interpolation"], config["mean"], config["std"]
     if not train:
         return EvalTransform(size, config["crop_pct"], name, mean, std)

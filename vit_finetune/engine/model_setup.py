@@ -6,11 +6,11 @@ from typing import Optional
 
 import torch.nn as nn
 
-from ..archs import get_arch
 from ..config import TrainConfig
 from ..errors import VitftError
-from ..refs import RefKind, parse_ref
-from ..weights import create_model
+from ..models.archs import get_arch
+from ..weights.loading import create_model
+from ..weights.refs import RefKind, parse_ref
 
 
 def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from ..config import TrainConfig
 from ..errors import VitftError
-from ..weights import create_model
+from ..weights.loading import create_model
 
 
 @dataclass

@@ -14,7 +14,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.data.constants import DEFAULT_CROP_PCT
 
 from ..config import TrainConfig
 from ..data.datasets import DatasetSplits, find_dataset
@@ -25,7 +24,8 @@ from ..progress import ProgressBar
 from ..run_folder import RunFolder
 from ..runtime import check_precision
 from ..tasks.inference import top_k_hits
-from ..weights import describe_weights
+from ..weights.loading import describe_weights
+from ..weights.preprocessing import preprocessing
 from . import callbacks as cb
 from .distributed import all_sum, init_distributed
 from .loop import EpochResult, StopFlag, run_steps
@@ -101,7 +101,7 @@ class Trainer:
             pcfg, self.img_size, train=True, scale=cfg.scale, ratio=cfg.ratio, hflip=cfg.hflip,
             color_jitter=cfg.color_jitter, strong=cfg.strong_aug)
         self.eval_tf = eval_tf = build_transforms(pcfg, self.img_size, train=False)
-        crop_pct = pcfg.get("crop_pct", DEFAULT_CROP_PCT)
+        crop_pct = preprocessing(pcfg).crop_pct
         self.train_set = ImageDataset(self.splits.train, train_tf, cache=cfg.cache, img_size=self.img_size,
                                       crop_pct=crop_pct, name="train")
         # each rank evaluates its own slice of the validation set, so nothing is counted twice; a rank left

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import VitftError
-from ..refs import RefKind, parse_ref
 from ..run_folder import CURVES, as_dict
+from ..weights.refs import RefKind, parse_ref
 from .onnx import onnx_usage
 from .run import PathLike, check_run, read_report
 
@@ -71,7 +71,7 @@ def base_model(train: dict) -> Optional[str]:
         return None
     if ref.kind is RefKind.HUB:
         return ref.target or None
-    from ..weights import resolve
+    from ..weights.sources import resolve
 
     try:
         source = resolve(str(model), ref.text) if model and ref.text != model else resolve(ref.text, True)
@@ -195,7 +195,7 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
     info = run.vitft_info()
     train, data, best = info["train"], info["data"], info["best"]
     if model is None:
-        from ..weights import load_model
+        from ..weights.loading import load_model
 
         model = load_model(str(run))
     cfg = dict(model.pretrained_cfg)

@@ -77,8 +77,8 @@ def _check_img_size(config: dict, img_size: Optional[int]) -> None:
     """An --img-size must hold at least one patch (checked before anything is loaded)."""
     if img_size is None:
         return
-    from ..archs import get_arch, split_name
-    from ..pos_embed import _pair
+    from ..models.archs import get_arch, split_name
+    from ..models.pos_embed import to_int_pair
 
     patch = as_dict(config.get("model_args")).get("patch_size")
     if patch is None:
@@ -86,7 +86,7 @@ def _check_img_size(config: dict, img_size: Optional[int]) -> None:
             patch = get_arch(split_name(str(config.get("architecture")))[0]).kwargs.get("patch_size", 1)
         except Exception:  # noqa: BLE001 - an unknown architecture is reported by load_model itself
             patch = 1
-    patch = max(_pair(patch))
+    patch = max(to_int_pair(patch))
     if img_size < patch:
         raise VitftError(f"--img-size {img_size} is smaller than the model's patch size {patch}; pass a multiple "
                          f"of {patch}")
@@ -127,7 +127,8 @@ def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwri
     import torch
 
     from ..files import plain_permissions
-    from ..weights import load_model, save_pretrained
+    from ..weights.loading import load_model
+    from ..weights.saving import save_pretrained
 
     info = run.vitft_info()
     _check_img_size(info["config"], img_size)

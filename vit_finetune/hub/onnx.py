@@ -184,13 +184,11 @@ def onnx_usage(repo: str, pretrained_cfg: dict, img_size: Sequence[int], top_k: 
     The snippet's preprocessing is timm's eval transform written with PIL and numpy only (short side
     resized to size / crop_pct, centre crop, scale to [0, 1], normalise), so it needs neither torch nor timm.
     """
-    from timm.data.constants import DEFAULT_CROP_PCT, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+    from .weights.preprocessing import preprocessing
 
     h, w = img_size
-    crop_pct = float(pretrained_cfg.get("crop_pct") or DEFAULT_CROP_PCT)
-    mean = [float(v) for v in pretrained_cfg.get("mean") or IMAGENET_DEFAULT_MEAN]
-    std = [float(v) for v in pretrained_cfg.get("std") or IMAGENET_DEFAULT_STD]
-    interpolation = str(pretrained_cfg.get("interpolation") or "bicubic")
+    pre = preprocessing(pretrained_cfg)
+    crop_pct, mean, std, interpolation = pre.crop_pct, list(pre.mean), list(pre.std), pre.interpolation
     pil_filter = _PIL_FILTERS.get(interpolation, "BICUBIC")
     scale_h, scale_w = int(h / crop_pct), int(w / crop_pct)
     if h == w:

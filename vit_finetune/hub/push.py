@@ -142,9 +142,9 @@ def push(run_dir: PathLike, repo_id: str, token: Optional[str] = None, private: 
     export lives in a temporary folder that is always removed.
     """
     run = check_run(run_dir)
-    from ..weights import _weights_in
+    from ..weights.sources import weights_in
 
-    _weights_in(run.path)  # the cheap local checks first: nothing is created on the Hub for a broken run
+    weights_in(run.path)  # the cheap local checks first: nothing is created on the Hub for a broken run
     repo_id = _check_repo_id(repo_id)
     dtype_name(dtype)
     if create_pr and revision not in (None, "main"):

@@ -22,10 +22,10 @@ from ..data.loaders import ImageDataset
 from ..data.transforms import build_transforms, data_config
 from ..errors import VitftError
 from ..files import printable
-from ..model import VisionTransformer
-from ..refs import RefKind, parse_ref
+from ..models.vit import VisionTransformer
 from ..run_folder import RunFolder
-from ..weights import describe_weights
+from ..weights.loading import describe_weights
+from ..weights.refs import RefKind, parse_ref
 from .explain import check_method, explain
 from .inference import ModelLike, ProgressFn, check_model_source, check_runtime, infer, prepare_model, top_k_hits
 from .report import EvalReport, classification_metrics, shown_mistakes, write_report

@@ -1,6 +1,6 @@
 """Where the model looked: attention heat maps of a ViT's predictions.
 
-Every method reads the attention weights that the native `Attention` hands to its `attn_hook` (model.py), and then
+Every method reads the attention weights that the native `Attention` hands to its `attn_hook` (models.layers), and then
 reads the rows of the tokens the classifier pools: the class token's row for global_pool='token', the mean of the
 pooled rows for average/max pooling (the patch rows, or every row with pool_include_prefix). Only the patch columns
 make the map; prefix tokens (class, registers: `model.num_prefix_tokens` of them) are dropped.
@@ -34,11 +34,12 @@ import numpy as np
 import torch
 
 from ..data.images import load_rgb
-from ..data.transforms import build_transforms, data_config
+from ..data.transforms import build_transforms
 from ..errors import VitftError
 from ..files import atomic_write, printable
-from ..model import VisionTransformer
+from ..models.vit import VisionTransformer
 from ..runtime import compute_context
+from ..weights.preprocessing import preprocessing
 from .inference import ImagesLike, ModelLike, ProgressFn, label_names, prepare_classifier
 from .plots import explanation_figure, save_png
 
@@ -287,7 +288,7 @@ def explain(
         target_index = classes.index(target)
     folder = Path(output).expanduser() if output is not None else None
     size = tuple(net.patch_embed.img_size)
-    crop_pct = data_config(net.pretrained_cfg, size)["crop_pct"]
+    crop_pct = preprocessing(net.pretrained_cfg).crop_pct
     transform = build_transforms(net.pretrained_cfg, size, train=False)
     k = min(top_k, len(classes))
     results: list[Explanation] = []

@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from ..data.datasets import list_images
 from ..data.loaders import ImageDataset, build_loader, requested_batches
 from ..errors import VitftError
-from ..model import VisionTransformer
-from ..pos_embed import _pair
-from ..refs import RefKind, parse_ref
+from ..models.pos_embed import to_int_pair
+from ..models.vit import VisionTransformer
 from ..runtime import check_precision, compute_context, resolve_device
-from ..weights import load_model
+from ..weights.loading import load_model
+from ..weights.refs import RefKind, parse_ref
 
 log = logging.getLogger("vitft")
 
@@ -67,9 +67,9 @@ def prepare_model(model: ModelLike, arch: Optional[str], img_size) -> tuple[Visi
     """(model, source string): loads paths/names with load_model (check_model_source first); a built model is
     copied if it must be resized."""
     if isinstance(model, VisionTransformer):
-        if img_size is not None and _pair(img_size) != tuple(model.patch_embed.img_size):
+        if img_size is not None and to_int_pair(img_size) != tuple(model.patch_embed.img_size):
             model = copy.deepcopy(model)
-            model.set_input_size(_pair(img_size))
+            model.set_input_size(to_int_pair(img_size))
         return model, None
     if isinstance(model, torch.nn.Module):
         raise VitftError(f"evaluate/predict take a vitft VisionTransformer or a model path/name, not a "

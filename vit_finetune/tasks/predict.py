@@ -18,7 +18,7 @@ from ..data.loaders import ImageDataset
 from ..data.transforms import build_transforms, data_config
 from ..errors import VitftError
 from ..files import atomic_write, printable, printable_tree
-from ..model import VisionTransformer
+from ..models.vit import VisionTransformer
 from .inference import ImagesLike, ModelLike, ProgressFn, infer, label_names, prepare_classifier
 
 DECODE_ERROR = "could not be decoded (truncated or corrupt image)"

@@ -1,7 +1,6 @@
 """The architecture table (data, generated from timm by scripts/gen_archs.py) and the aliases."""
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import json
 from dataclasses import dataclass
@@ -9,7 +8,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
-from .errors import VitftError
+from ..errors import VitftError, did_you_mean
 
 # torchvision-style names -> a timm architecture with good default weights ("arch.tag").
 ALIASES: dict[str, str] = {
@@ -46,7 +45,8 @@ def get_arch(name: str) -> Arch:
     """The architecture `name` (no tag, no alias); a 'did you mean' error when unknown."""
     entry = _table().get(name)
     if entry is None:
-        raise VitftError(f"unknown model {name!r}{did_you_mean(name)}; `vitft models` lists the supported names")
+        hint = did_you_mean(name.split(".")[0], [*_table(), *ALIASES])
+        raise VitftError(f"unknown model {name!r}{hint}; `vitft models` lists the supported names")
     return Arch(name=name, kwargs=dict(entry["kwargs"]), params_m=entry["params_m"],
                 img_size=tuple(entry["img_size"]), patch_size=tuple(entry["patch_size"]),
                 default_tag=entry["default_tag"])
@@ -58,9 +58,3 @@ def split_name(name: str) -> tuple[str, Optional[str]]:
     arch, _, tag = name.partition(".")
     get_arch(arch)
     return arch, tag or None
-
-
-def did_you_mean(name: str) -> str:
-    candidates = list(_table()) + list(ALIASES)
-    close = difflib.get_close_matches(name.split(".")[0], candidates, n=3, cutoff=0.6)
-    return f" (did you mean {', '.join(close)}?)" if close else ""

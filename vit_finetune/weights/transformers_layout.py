@@ -9,18 +9,16 @@ embedding, which timm's ViT also has.
 """
 from __future__ import annotations
 
-import inspect
 import re
 from typing import Optional
 
 import torch
 
-from .archs import get_arch, list_archs
-from .errors import VitftError
-from .model import VisionTransformer
-from .pos_embed import _pair
+from ..errors import VitftError
+from ..models.archs import list_archs
+from ..models.pos_embed import to_int_pair
+from ..models.vit import differing_args
 
-LAYOUTS = ("vit", "deit", "dinov2")
 # the transformers classes whose weights map onto a native ViT one to one
 SUPPORTED_CLASSES = {
     "vit": ("ViTModel", "ViTForImageClassification"),
@@ -50,7 +48,6 @@ def _default_preprocessor(layout: str, image_size: tuple[int, int]) -> dict:
                 "size": {"height": h * 256 // 224, "width": w * 256 // 224}, "crop_size": size}
     return {"image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
             "resample": 3, "size": {"shortest_edge": min(h, w)}, "do_center_crop": True, "crop_size": size}
-_MODEL_DEFAULTS = {name: p.default for name, p in inspect.signature(VisionTransformer.__init__).parameters.items()}
 _PREFIXES = ("vit.", "deit.", "dinov2.")
 _PATCH_KEY = "embeddings.patch_embeddings.projection.weight"
 _DROPPED = {  # transformers tensors a native ViT has no place for, and why they are not needed
@@ -89,7 +86,7 @@ def _unprefixed(key: str) -> str:
     return key[key.index(".") + 1:] if key.startswith(_PREFIXES) else key
 
 
-def detect_layout(keys) -> Optional[str]:
+def kind_of(keys) -> Optional[str]:
     """'vit', 'deit' or 'dinov2' for a state dict in transformers' layout, None for any other."""
     keys = {_unprefixed(k) for k in keys}
     if _PATCH_KEY not in keys:
@@ -162,7 +159,8 @@ def model_kwargs(config: dict) -> dict:
     if act not in _ACTIVATIONS:
         raise VitftError(f"transformers hidden_act {act!r} has no counterpart in vitft; "
                          f"supported: {', '.join(_ACTIVATIONS)}")
-    kwargs = dict(patch_size=_pair(config.get("patch_size", 16)), embed_dim=dim, depth=config["num_hidden_layers"],
+    kwargs = dict(patch_size=to_int_pair(config.get("patch_size", 16)), embed_dim=dim,
+                  depth=config["num_hidden_layers"],
                   num_heads=config["num_attention_heads"], qkv_bias=config.get("qkv_bias", True),
                   norm_eps=config.get("layer_norm_eps", 1e-12), act_layer=_ACTIVATIONS[act], global_pool="token")
     if layout == "dinov2":
@@ -187,23 +185,11 @@ def _deit_tokens(distilled: bool) -> dict:
     return {"distilled": True} if distilled else {"reg_tokens": 1}
 
 
-def _same(key: str, ours, theirs) -> bool:
-    if key == "init_values":  # only whether there is LayerScale matters: its values come from the weights
-        return bool(ours) == bool(theirs)
-    plain = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731
-    return plain(ours) == plain(theirs)
-
-
-def _differing(kwargs: dict, arch: str) -> dict:
-    base = get_arch(arch).kwargs
-    return {k: v for k, v in kwargs.items() if not _same(k, v, base.get(k, _MODEL_DEFAULTS[k]))}
-
-
 def closest_arch(layout: str, kwargs: dict) -> tuple[str, dict]:
     """The architecture of the table needing the fewest changes, and those changes (model_args)."""
     candidates = [name for name in list_archs() if re.match(_FAMILIES[layout], name)]
-    arch = min(candidates, key=lambda name: (len(_differing(kwargs, name)), name))
-    return arch, _differing(kwargs, arch)
+    arch = min(candidates, key=lambda name: (len(differing_args(kwargs, name)), name))
+    return arch, differing_args(kwargs, arch)
 
 
 def source_args(config: dict, preprocessor: Optional[dict], origin: str) -> tuple[str, dict, dict]:
@@ -215,7 +201,7 @@ def source_args(config: dict, preprocessor: Optional[dict], origin: str) -> tupl
     class_name = (config.get("architectures") or [None])[0]
     layout = check_layout(config.get("model_type"), class_name, origin)
     kwargs = model_kwargs(config)
-    image_size = _pair(config.get("image_size", 224))
+    image_size = to_int_pair(config.get("image_size", 224))
     # a saved preprocessor config overrides its processor class's defaults, key by key, as in transformers
     cfg, input_size = _preprocessing({**_default_preprocessor(layout, image_size), **(preprocessor or {})},
                                      image_size)

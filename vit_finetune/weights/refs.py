@@ -13,7 +13,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
 
-from .archs import split_name
+from ..models.archs import split_name
 
 TORCH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
 WEIGHT_SUFFIXES = (".safetensors", *TORCH_SUFFIXES)

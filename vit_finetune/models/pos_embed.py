@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from timm.layers import to_2tuple
 
 
-def _pair(size: int | Sequence[int]) -> tuple[int, int]:
-    """(height, width) from one side length or a pair of them (numpy integers included)."""
-    return (int(size), int(size)) if isinstance(size, numbers.Integral) else (int(size[0]), int(size[1]))
+def to_int_pair(size: int | Sequence[int]) -> tuple[int, int]:
+    """(height, width) from one side length or a pair of them (timm's to_2tuple), as plain ints: a numpy
+    integer would reach config.json, which cannot hold one."""
+    height, width = to_2tuple(size)
+    return int(height), int(width)
 
 
 def resize_pos_embed(
@@ -28,7 +30,7 @@ def resize_pos_embed(
     interpolated in float32 and cast back. `old_size` defaults to a square grid.
     Agrees with `timm.layers.resample_abs_pos_embed` for the same arguments.
     """
-    new_h, new_w = _pair(new_size)
+    new_h, new_w = to_int_pair(new_size)
     num_grid_tokens = posemb.shape[1] - num_prefix_tokens
     if old_size is None:
         side = int(math.sqrt(num_grid_tokens))
@@ -36,7 +38,7 @@ def resize_pos_embed(
             raise ValueError(
                 f"cannot infer a square grid from {num_grid_tokens} position tokens; pass old_size=(H, W)")
         old_size = (side, side)
-    old_h, old_w = _pair(old_size)
+    old_h, old_w = to_int_pair(old_size)
     if old_h * old_w != num_grid_tokens:
         raise ValueError(
             f"position embedding has {num_grid_tokens} grid tokens, which is not old_size {old_h}x{old_w}")
