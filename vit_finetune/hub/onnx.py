@@ -184,7 +184,7 @@ def onnx_usage(repo: str, pretrained_cfg: dict, img_size: Sequence[int], top_k: 
     The snippet's preprocessing is timm's eval transform written with PIL and numpy only (short side
     resized to size / crop_pct, centre crop, scale to [0, 1], normalise), so it needs neither torch nor timm.
     """
-    from .weights.preprocessing import preprocessing
+    from ..weights.preprocessing import preprocessing
 
     h, w = img_size
     pre = preprocessing(pretrained_cfg)
