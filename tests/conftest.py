@@ -17,6 +17,15 @@ CLASSES = ["buildings", "forest", "glacier", "mountain", "sea", "street"]
 TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_cache_dir(tmp_path_factory) -> Path:
+    """precision 'auto' caches its CPU measurement in the user's cache: the tests keep theirs apart (subprocesses
+    inherit it)."""
+    folder = tmp_path_factory.mktemp("vitft-cache")
+    os.environ["VITFT_CACHE_DIR"] = str(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def intel_dir() -> Path:
     if not INTEL.is_dir():

@@ -38,7 +38,7 @@ from .files import atomic_write, printable, printable_tree
 from .model import VisionTransformer
 from .plots import confusion_figure, mistakes_figure, save_png, shown_mistakes
 from .pos_embed import _pair
-from .runtime import check_precision, compute_context, resolve_device
+from .runtime import check_precision, choose_precision, compute_context, model_widths, resolve_device
 from .weights import describe_weights, load_model
 
 log = logging.getLogger("vitft")
@@ -397,7 +397,7 @@ def evaluate(
     batch_size: int = 64,
     workers: Optional[int] = None,
     device: str = "auto",
-    precision: str = "fp32",
+    precision: str = "auto",
     output: Union[str, os.PathLike, None] = None,
     arch: Optional[str] = None,
     progress: Optional[ProgressFn] = None,
@@ -432,6 +432,7 @@ def evaluate(
                  "(--val-split to split otherwise)", printable(str(data)), 100 * val_split, seed)
     present = sorted({label for _, label in samples})
     net, source = _prepare_model(model, arch, img_size)
+    precision = choose_precision(dev, precision, model_widths(net)).precision
     for line in describe_weights(net):
         log.info(line)
     classes, to_model, names_from = _match_classes(net, data_classes, present)
@@ -529,7 +530,7 @@ def predict(
     batch_size: int = 64,
     workers: Optional[int] = None,
     device: str = "auto",
-    precision: str = "fp32",
+    precision: str = "auto",
     arch: Optional[str] = None,
     progress: Optional[ProgressFn] = None,
 ) -> Predictions:
@@ -540,6 +541,7 @@ def predict(
     """
     dev, paths, net = prepare_classifier(model, inputs, arch, img_size, top_k, batch_size, device, precision,
                                          "predict")
+    precision = choose_precision(dev, precision, model_widths(net)).precision
     classes = label_names(net)
     k = min(top_k, len(classes))
     size = tuple(net.patch_embed.img_size)

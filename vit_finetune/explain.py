@@ -40,7 +40,7 @@ from .evaluate import ModelLike, ProgressFn, label_names, prepare_classifier
 from .files import atomic_write, printable
 from .model import VisionTransformer
 from .plots import explanation_figure, save_png
-from .runtime import compute_context
+from .runtime import choose_precision, compute_context, model_widths
 
 log = logging.getLogger("vitft")
 
@@ -247,7 +247,7 @@ def explain(
     img_size: Optional[int] = None,
     batch_size: int = 16,
     device: str = "auto",
-    precision: str = "fp32",
+    precision: str = "auto",
     arch: Optional[str] = None,
     progress: Optional[ProgressFn] = None,
 ) -> list[Explanation]:
@@ -262,6 +262,7 @@ def explain(
         raise VitftError(f"unknown --method {method!r}; use one of {', '.join(METHODS)}")
     dev, paths, net = prepare_classifier(model, images, arch, img_size, top_k, batch_size, device, precision,
                                          "explain")
+    precision = choose_precision(dev, precision, model_widths(net)).precision
     _check_pooling(net)
     classes = label_names(net)
     target_index = None

@@ -39,7 +39,7 @@ from .features import FeatureSet, extract_features
 from .files import atomic_write
 from .progress import ProgressBar
 from .refs import RefKind, parse_ref
-from .runtime import check_precision, compute_context, resolve_device
+from .runtime import check_precision, choose_precision, compute_context, model_widths, resolve_device
 from .weights import create_model, describe_weights, save_pretrained
 
 log = logging.getLogger("vitft")
@@ -228,9 +228,7 @@ class Trainer:
         torch.manual_seed(cfg.seed + self.ddp.rank)
         random.seed(cfg.seed + self.ddp.rank)
         np.random.seed(cfg.seed + self.ddp.rank)
-        precision = cfg.precision if cfg.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
-        self.precision = precision
-        check_precision(self.device, precision)  # fail early
+        check_precision(self.device, cfg.precision)  # fail early; 'auto' is resolved once the model is built
 
         self.splits: DatasetSplits = find_dataset(cfg.data, cfg.val_split, cfg.seed)
         if not self.splits.val:
@@ -258,6 +256,8 @@ class Trainer:
         self.model.pretrained_cfg["label_names"] = list(self.classes)
         self.img_size = tuple(self.model.patch_embed.img_size)
         self.model.to(self.device)
+        self.precision_choice = choose_precision(self.device, cfg.precision, model_widths(self.model))
+        self.precision = self.precision_choice.precision
         if cfg.grad_checkpointing:
             self.model.set_grad_checkpointing(True)
 
@@ -456,7 +456,7 @@ class Trainer:
             f"data: {cfg.data} [{self.splits.layout}]: {len(self.classes)} classes, "
             f"{len(self.splits.train)} train / {len(self.splits.val)} val images (train/val per class: {per_class})",
             f"device: {self.device}{f' x{self.ddp.world} processes' if self.ddp.enabled else ''}, "
-            f"precision {self.precision}{', torch.compile' if cfg.compile else ''}; {plan.describe()}",
+            f"{self.precision_choice.describe()}{', torch.compile' if cfg.compile else ''}; {plan.describe()}",
             f"optimizer: {cfg.opt}, effective batch {self.effective_batch} = {cfg.batch_size} x {cfg.accum_steps} "
             f"accum x {self.ddp.world} proc; lr {self.lr:.3g} = {cfg.lr:g} x {self.effective_batch}/"
             f"{cfg.lr_base_size}; layer decay {self.layer_decay or 'off'}; {cfg.epochs} epoch"
