@@ -6,6 +6,8 @@ script measures the whole models, as the recipes train them (random weights, the
 
     python scripts/bench_precision.py                  # both models, 3 timed steps each, ~1-2 min with bf16 units
     python scripts/bench_precision.py --steps 1 --models intel_cpu
+    # on a machine shared with other jobs: one thread, timed by its own CPU time (what other jobs cannot inflate)
+    python scripts/bench_precision.py --threads 1 --clock thread
 """
 from __future__ import annotations
 
@@ -51,17 +53,17 @@ def cpu_model_name() -> str:
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name")), "unknown")
 
 
-def median_seconds(run, steps: int) -> float:
+def median_seconds(run, steps: int, clock) -> float:
     run()  # warm-up: first-call allocations and kernel selection
     times = []
     for _ in range(steps):
-        start = time.perf_counter()
+        start = clock()
         run()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 
-def bench(model: torch.nn.Module, batch: int, precision: str, steps: int) -> tuple[float, float]:
+def bench(model: torch.nn.Module, batch: int, precision: str, steps: int, clock) -> tuple[float, float]:
     """(train img/s, eval img/s): a training step is forward, backward and an AdamW update."""
     device = torch.device("cpu")
     size = tuple(model.patch_embed.img_size)
@@ -83,7 +85,7 @@ def bench(model: torch.nn.Module, batch: int, precision: str, steps: int) -> tup
         with compute_context(device, precision):
             model(images)
 
-    return batch / median_seconds(train_step, steps), batch / median_seconds(eval_step, steps)
+    return batch / median_seconds(train_step, steps, clock), batch / median_seconds(eval_step, steps, clock)
 
 
 def main() -> None:
@@ -91,17 +93,23 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
     parser.add_argument("--steps", type=int, default=3, help="timed steps per measurement (median), after one warm-up")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                        help="wall time, or this thread's CPU time (only with --threads 1: other threads' work is "
+                             "not counted)")
     args = parser.parse_args()
+    if args.clock == "thread" and args.threads != 1:
+        parser.error("--clock thread counts only this thread's work: use it with --threads 1")
     if args.threads:
         torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     print(f"CPU: {cpu_model_name()}; torch {torch.__version__}, capability "
-          f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} thread(s)")
+          f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} thread(s), {args.clock} clock")
     print(f"{'model':18} {'batch':>5} {'train fp32':>11} {'train bf16':>11} {'eval fp32':>10} {'eval bf16':>10}  "
           "bf16 speed-up train / eval")
     for name in args.models:
         torch.manual_seed(0)
         model, batch = MODELS[name]()
-        (train32, eval32), (train16, eval16) = (bench(model, batch, p, args.steps) for p in ("fp32", "bf16"))
+        (train32, eval32), (train16, eval16) = (bench(model, batch, p, args.steps, clock) for p in ("fp32", "bf16"))
         print(f"{name:18} {batch:5d} {train32:11.1f} {train16:11.1f} {eval32:10.1f} {eval16:10.1f}  "
               f"{train16 / train32:.2f}x / {eval16 / eval32:.2f}x   (img/s)")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
 import pytest
 import torch
 from conftest import TINY, make_subset
@@ -129,3 +130,12 @@ def test_evaluation_uses_the_same_choice(simulated_cpu, tiny_model_dir, class_im
     data = make_subset(class_images, tmp_path / "data", 2)
     report = evaluate(str(tiny_model_dir), data, workers=0, batch_size=32)
     assert report.runtime["precision"] == expected
+
+
+def test_explain_in_bf16_gives_float_heat_maps(tiny_model_dir, class_images):
+    from vit_finetune.explain import explain
+
+    images = sorted((class_images / "forest").iterdir())[:2]
+    results = explain(str(tiny_model_dir), images, method="rollout", precision="bf16", batch_size=2)
+    assert [r.error for r in results] == [None, None]
+    assert all(r.grid.dtype == np.float32 and r.heatmap.dtype.kind == "f" for r in results)

@@ -141,7 +141,7 @@ def attention_maps(model: VisionTransformer, x: torch.Tensor, method: str, targe
                          f"{prefix} prefix tokens; cannot map them to the image")
 
     def to_grid(r: torch.Tensor) -> torch.Tensor:
-        return r[..., prefix:].reshape(*r.shape[:-1], grid_h, grid_w).detach()
+        return r[..., prefix:].reshape(*r.shape[:-1], grid_h, grid_w).detach().float()  # bf16 under autocast
 
     return logits.detach().float(), to_grid(rows), None if heads is None else to_grid(heads), targets
 
