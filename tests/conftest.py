@@ -37,6 +37,15 @@ def shared_path(path: Path, what: str) -> Path:
 NOT_UTF8 = os.fsdecode(b"caf\xe9 run")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_cache_dir(tmp_path_factory) -> Path:
+    """precision 'auto' caches its CPU measurement in the user's cache: the tests keep theirs apart (subprocesses
+    inherit it)."""
+    folder = tmp_path_factory.mktemp("vitft-cache")
+    os.environ["VITFT_CACHE_DIR"] = str(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def intel_dir() -> Path:
     return shared_path(INTEL, "real Intel images")

@@ -609,7 +609,7 @@ def test_vitft_predict_and_timms_pipeline_give_the_same_probabilities(tiny_model
     transforms = timm.data.create_transform(**timm.data.resolve_model_data_config(model), is_training=False)
     with torch.no_grad():
         expected = model(torch.stack([transforms(Image.open(f).convert("RGB")) for f in files])).softmax(-1)
-    rows = list(predict(str(out), files, top_k=len(CLASSES), workers=0, device="cpu"))  # timm ran on the CPU
+    rows = list(predict(str(out), files, top_k=len(CLASSES), workers=0, device="cpu", precision="fp32"))  # as timm
     labels = model.pretrained_cfg["label_names"]
     assert [row.path for row in rows] == [str(f) for f in files] and all(row.error is None for row in rows)
     for row, probs in zip(rows, expected, strict=True):

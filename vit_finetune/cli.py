@@ -26,7 +26,7 @@ from .terminal import Command, Group, console, print_report, setup_logging
 
 # where a model comes from, as evaluate, predict and explain take it
 MODEL_HELP = "Run or model folder, weights file (with --model), hf-hub:org/repo, or a timm name (with --pretrained)."
-PRECISION_HELP = "fp32, bf16 or fp16."
+PRECISION_HELP = "auto, fp32, bf16 or fp16 (auto: bf16 on CUDA, or on a CPU where it measures faster)."
 
 app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune Vision Transformers on your own images.")
@@ -249,7 +249,7 @@ def evaluate_cmd(
     workers: Optional[int] = typer.Option(None, help="DataLoader worker processes.",
                                           show_default="cores - 1, at most 8"),
     device: str = typer.Option("auto", help=DEVICE_HELP),
-    precision: str = typer.Option("fp32", help=PRECISION_HELP),
+    precision: str = typer.Option("auto", help=PRECISION_HELP),
     output: Optional[str] = typer.Option(None, help="Folder for report.json and friends.", metavar="DIR",
                                          show_default="the run folder, else ./eval-<model>"),
     explain: bool = typer.Option(False, "--explain", help="Overlay attention-rollout heat maps on mistakes.png (see "
@@ -286,7 +286,7 @@ def predict_cmd(
     workers: Optional[int] = typer.Option(None, help="DataLoader worker processes.",
                                           show_default="cores - 1, at most 8"),
     device: str = typer.Option("auto", help=DEVICE_HELP),
-    precision: str = typer.Option("fp32", help=PRECISION_HELP),
+    precision: str = typer.Option("auto", help=PRECISION_HELP),
     img_size: Optional[int] = typer.Option(None, help="Predict at this resolution (position embedding resized).",
                                            show_default="the model's"),
     tta: bool = typer.Option(False, "--tta", help="Average the predictions of each image and its mirror image."),
@@ -328,7 +328,7 @@ def explain_cmd(
                                            show_default="the model's"),
     batch_size: int = typer.Option(16, help="Images per batch."),
     device: str = typer.Option("auto", help=DEVICE_HELP),
-    precision: str = typer.Option("fp32", help=PRECISION_HELP),
+    precision: str = typer.Option("auto", help=PRECISION_HELP),
 ):
     """Show where the model looked: a heat map over each image, with its top labels."""
     from .progress import ProgressBar
@@ -347,6 +347,17 @@ def explain_cmd(
     if bad:
         console.print(f"[yellow]warning:[/] {bad} of {len(results)} file(s) could not be read", highlight=False,
                       soft_wrap=True)
+
+
+@command("env")
+def env_cmd(as_json: bool = typer.Option(False, "--json", help="One JSON object, for machines.")):
+    """Print versions, devices, the CPU's measured speed and what auto picks: paste it into a bug report."""
+    import json
+
+    from .env_report import collect, format_text
+
+    report = collect()
+    typer.echo(json.dumps(report, indent=1) if as_json else format_text(report))
 
 
 @command("export")

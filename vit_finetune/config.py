@@ -91,7 +91,8 @@ class TrainConfig:
     color_jitter: float = option(0.0, panel=AUGMENTATION, help="Colour jitter strength (0 = off).")
     strong_aug: bool = option(False, panel=AUGMENTATION, help="TrivialAugment-like policy + random erasing.")
     device: str = option("auto", panel=RUNTIME, help=DEVICE_HELP, hyperparameter=False)
-    precision: str = option("auto", panel=RUNTIME, help="bf16, fp16, fp32 or auto (bf16 on CUDA, fp32 elsewhere).")
+    precision: str = option("auto", panel=RUNTIME, help="auto, bf16, fp16 or fp32 (auto: bf16 on CUDA, else fp16; "
+                            "on the CPU bf16 only where it measures faster).")
     compile: bool = option(False, panel=RUNTIME, help="torch.compile the model.", hyperparameter=False)
     grad_checkpointing: bool = option(False, panel=RUNTIME, hyperparameter=False,
                                       help="Trade compute for memory: recompute activations in backward.")

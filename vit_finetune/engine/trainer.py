@@ -22,7 +22,7 @@ from ..data.transforms import build_transforms
 from ..errors import VitftError
 from ..progress import ProgressBar
 from ..run_folder import RunFolder
-from ..runtime import check_precision
+from ..runtime import check_precision, choose_precision, model_widths
 from ..tasks.inference import top_k_hits
 from ..weights.loading import describe_weights
 from ..weights.preprocessing import preprocessing
@@ -56,9 +56,7 @@ class Trainer:
         torch.manual_seed(cfg.seed + self.ddp.rank)
         random.seed(cfg.seed + self.ddp.rank)
         np.random.seed(cfg.seed + self.ddp.rank)
-        self.precision = cfg.precision if cfg.precision != "auto" else ("bf16" if self.device.type == "cuda"
-                                                                        else "fp32")
-        check_precision(self.device, self.precision)  # fail early
+        check_precision(self.device, cfg.precision)  # fail early; 'auto' is resolved once the model is built
 
         self.splits: DatasetSplits = find_dataset(cfg.data, cfg.val_split, cfg.seed)
         if not self.splits.val:
@@ -74,6 +72,8 @@ class Trainer:
         self.model.pretrained_cfg["label_names"] = list(self.classes)
         self.img_size = tuple(self.model.patch_embed.img_size)
         self.model.to(self.device)
+        self.precision_choice = choose_precision(self.device, cfg.precision, model_widths(self.model))
+        self.precision = self.precision_choice.precision
         if cfg.grad_checkpointing:
             self.model.set_grad_checkpointing(True)
 
@@ -289,7 +289,7 @@ class Trainer:
             f"data: {cfg.data} [{self.splits.layout}]: {len(self.classes)} classes, "
             f"{len(self.splits.train)} train / {len(self.splits.val)} val images (train/val per class: {per_class})",
             f"device: {self.device}{f' x{self.ddp.world} processes' if self.ddp.enabled else ''}, "
-            f"precision {self.precision}{', torch.compile' if cfg.compile else ''}; "
+            f"{self.precision_choice.describe()}{', torch.compile' if cfg.compile else ''}; "
             f"{self.train_loader.cpu_plan.describe()}",
             f"optimizer: {cfg.opt}, effective batch {self.effective_batch} = {cfg.batch_size} x {cfg.accum_steps} "
             f"accum x {self.ddp.world} proc; lr {self.lr:.3g} = {cfg.lr:g} x {self.effective_batch}/"

@@ -19,12 +19,14 @@ import torch
 
 from ..data.datasets import find_dataset
 from ..data.loaders import ImageDataset
-from ..data.transforms import build_transforms, data_config
+from ..data.transforms import build_transforms
 from ..errors import VitftError
 from ..files import printable
 from ..models.vit import VisionTransformer
 from ..run_folder import RunFolder
+from ..runtime import choose_precision, model_widths
 from ..weights.loading import describe_weights
+from ..weights.preprocessing import data_config, preprocessing
 from ..weights.refs import RefKind, parse_ref
 from .explain import check_method, explain
 from .inference import ModelLike, ProgressFn, check_model_source, check_runtime, infer, prepare_model, top_k_hits
@@ -144,7 +146,7 @@ def evaluate(
     batch_size: int = 64,
     workers: Optional[int] = None,
     device: str = "auto",
-    precision: str = "fp32",
+    precision: str = "auto",
     output: Union[str, os.PathLike, None] = DEFAULT_OUTPUT,
     arch: Optional[str] = None,
     progress: Optional[ProgressFn] = None,
@@ -182,6 +184,7 @@ def evaluate(
                  "(--val-split to split otherwise)", printable(str(data)), 100 * val_split, seed)
     present = sorted({label for _, label in samples})
     net, source = prepare_model(model, arch, img_size)
+    precision = choose_precision(dev, precision, model_widths(net)).precision
     for line in describe_weights(net):
         log.info(line)
     classes, to_model, names_from = _match_classes(net, data_classes, present)
@@ -192,7 +195,7 @@ def evaluate(
     size = tuple(net.patch_embed.img_size)
     transform = build_transforms(net.pretrained_cfg, size, train=False)
     dataset = ImageDataset([(p, to_model[label]) for p, label in samples], transform, img_size=size,
-                           crop_pct=data_config(net.pretrained_cfg, size)["crop_pct"], return_index=True,
+                           crop_pct=preprocessing(net.pretrained_cfg).crop_pct, return_index=True,
                            name=f"{data_info['split']} images")
     skipped = [str(p) for p in dataset.unreadable]
     keep, logps = [], []

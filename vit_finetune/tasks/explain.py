@@ -38,7 +38,7 @@ from ..data.transforms import build_transforms
 from ..errors import VitftError
 from ..files import atomic_write, printable
 from ..models.vit import VisionTransformer
-from ..runtime import compute_context
+from ..runtime import choose_precision, compute_context, model_widths
 from ..weights.preprocessing import preprocessing
 from .inference import ImagesLike, ModelLike, ProgressFn, label_names, prepare_classifier
 from .plots import explanation_figure, save_png
@@ -150,7 +150,7 @@ def attention_maps(model: VisionTransformer, x: torch.Tensor, method: str, targe
                          f"{prefix} prefix tokens; cannot map them to the image")
 
     def to_grid(r: torch.Tensor) -> torch.Tensor:
-        return r[..., prefix:].reshape(*r.shape[:-1], grid_h, grid_w).detach()
+        return r[..., prefix:].reshape(*r.shape[:-1], grid_h, grid_w).detach().float()  # bf16 under autocast
 
     return logits.detach().float(), to_grid(rows), None if heads is None else to_grid(heads), targets
 
@@ -262,7 +262,7 @@ def explain(
     img_size: Optional[int] = None,
     batch_size: int = 16,
     device: str = "auto",
-    precision: str = "fp32",
+    precision: str = "auto",
     arch: Optional[str] = None,
     progress: Optional[ProgressFn] = None,
     pretrained: bool = False,
@@ -277,6 +277,7 @@ def explain(
     check_method(method)
     dev, paths, net = prepare_classifier(model, images, arch, pretrained, img_size, top_k, batch_size, device,
                                          precision, "explain")
+    precision = choose_precision(dev, precision, model_widths(net)).precision
     _check_pooling(net)
     classes = label_names(net)
     target_index = None

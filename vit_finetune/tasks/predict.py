@@ -15,10 +15,12 @@ import torch
 
 from ..data.images import unreadable_reason
 from ..data.loaders import ImageDataset
-from ..data.transforms import build_transforms, data_config
+from ..data.transforms import build_transforms
 from ..errors import VitftError
 from ..files import atomic_write, printable, printable_tree
 from ..models.vit import VisionTransformer
+from ..runtime import choose_precision, model_widths
+from ..weights.preprocessing import preprocessing
 from .inference import ImagesLike, ModelLike, ProgressFn, infer, label_names, prepare_classifier
 
 DECODE_ERROR = "could not be decoded (truncated or corrupt image)"
@@ -70,7 +72,7 @@ def predict(
     batch_size: int = 64,
     workers: Optional[int] = None,
     device: str = "auto",
-    precision: str = "fp32",
+    precision: str = "auto",
     arch: Optional[str] = None,
     progress: Optional[ProgressFn] = None,
     pretrained: bool = False,
@@ -89,13 +91,14 @@ def predict(
     fmt = prediction_format(fmt, output)
     dev, paths, net = prepare_classifier(model, inputs, arch, pretrained, img_size, top_k, batch_size, device,
                                          precision, "predict")
+    precision = choose_precision(dev, precision, model_widths(net)).precision
     classes = label_names(net)
     k = min(top_k, len(classes))
     size = tuple(net.patch_embed.img_size)
     transform = build_transforms(net.pretrained_cfg, size, train=False)
     try:
         dataset = ImageDataset(paths, transform, img_size=size, return_index=True, name="inputs",
-                               crop_pct=data_config(net.pretrained_cfg, size)["crop_pct"])
+                               crop_pct=preprocessing(net.pretrained_cfg).crop_pct)
     except VitftError:  # not one readable image: every row is an error
         rows = iter([Prediction(str(p), [], [], unreadable_reason(p)) for p in paths])
     else:

@@ -16,7 +16,7 @@ HUB_LOOKUP_TIMEOUT = 3.0
 HUB_CONNECT_TIMEOUT = 3.0
 
 
-def _hub_unreachable() -> Optional[str]:
+def hub_unreachable() -> Optional[str]:
     """Why the Hub endpoint cannot be reached (its host does not resolve, or refuses connections), else None.
 
     One name lookup and one TCP connect with a short timeout: huggingface_hub would otherwise retry an
@@ -60,7 +60,7 @@ def hub_download(repo_id: str, filenames: tuple[str, ...], revision: Optional[st
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-    unreachable = None if offline else _hub_unreachable()
+    unreachable = None if offline else hub_unreachable()
     if not offline:
         log.info("fetching %s (%s) from %s%s", repo_id, " or ".join(filenames), constants.ENDPOINT,
                  f": unreachable ({unreachable}), looking in the local cache only" if unreachable else "")
