@@ -61,7 +61,7 @@ def test_json_for_machines(offline_hub):
 
 def test_offline_mode_skips_the_hub_check(offline_hub, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr("vit_finetune.weights.hub_unreachable", None)  # never called
+    monkeypatch.setattr("vit_finetune.weights.download.hub_unreachable", None)  # never called
     assert json.loads(env("--json"))["hub"]["reachable"] == "not checked: HF_HUB_OFFLINE is set"
 
 

@@ -155,7 +155,7 @@ def test_printed_and_saved_numbers_match_a_hand_count(cli_eval, run_dir, eval_da
 def test_evaluate_gives_timms_probabilities(run_dir, eval_data, timm_reference, tta):
     """Per image, the predicted label and its probability are timm's (1e-5), and so is the loss; with TTA they are
     the flip average's, which moves the probabilities by far more than the tolerance."""
-    report = evaluate(str(run_dir), eval_data, tta=tta, workers=0, device="cpu", output=None)
+    report = evaluate(str(run_dir), eval_data, tta=tta, workers=0, device="cpu", precision="fp32", output=None)
     probs, labels = timm_reference["tta" if tta else "plain"], timm_reference["labels"]
     assert (timm_reference["tta"] - timm_reference["plain"]).abs().max() > 1e-3  # 100x the tolerance
     rows = {image_key(p["path"]): p for p in report.predictions}

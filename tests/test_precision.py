@@ -14,10 +14,11 @@ import torch
 from conftest import TINY, make_subset
 
 from vit_finetune import runtime
+from vit_finetune.config import TrainConfig
+from vit_finetune.engine.trainer import Trainer
 from vit_finetune.errors import VitftError
-from vit_finetune.evaluate import evaluate
 from vit_finetune.runtime import MatmulTiming, choose_precision, compute_context
-from vit_finetune.train import TrainConfig, Trainer
+from vit_finetune.tasks.evaluate import evaluate
 
 CPU = torch.device("cpu")
 AVX2_NO_UNITS = "AVX2, no bf16 units"
@@ -133,7 +134,7 @@ def test_evaluation_uses_the_same_choice(simulated_cpu, tiny_model_dir, class_im
 
 
 def test_explain_in_bf16_gives_float_heat_maps(tiny_model_dir, class_images):
-    from vit_finetune.explain import explain
+    from vit_finetune.tasks.explain import explain
 
     images = sorted((class_images / "forest").iterdir())[:2]
     results = explain(str(tiny_model_dir), images, method="rollout", precision="bf16", batch_size=2)

@@ -30,7 +30,8 @@ from vit_finetune.run_folder import CHECKPOINT, RunFolder
 
 REPO = Path(__file__).resolve().parents[1]
 # small and quick: a tiny pretrained-style checkpoint at 32 px, 2 epochs over 240 generated images
-QUICK = dict(epochs=2, batch_size=24, lr=0.02, workers=0, img_size=None, warmup_epochs=0, quiet=True, device="cpu")
+QUICK = dict(epochs=2, batch_size=24, lr=0.02, workers=0, img_size=None, warmup_epochs=0, quiet=True, device="cpu",
+             precision="fp32")  # the same numbers on every CPU (auto may pick bf16)
 
 
 def load_checkpoint(run_dir) -> dict:
@@ -327,9 +328,9 @@ def test_ema_mixup_accumulation_bf16_and_unfreeze_work_together(small_images, ti
     its recurrence after every optimizer step (two micro-batches each)."""
     caplog.set_level("INFO", logger="vitft")
     cfg = TrainConfig(data=str(small_images), pretrained=str(tiny_model_dir), output=str(tmp_path / "combo"),
-                      ema=True, ema_decay=0.99, mixup=0.2, cutmix=1.0, accum_steps=2, precision="bf16",
+                      ema=True, ema_decay=0.99, mixup=0.2, cutmix=1.0, accum_steps=2,
                       freeze_backbone=True, unfreeze_after=1, max_steps_per_epoch=3,
-                      **dict(QUICK, epochs=2, batch_size=8))
+                      **dict(QUICK, epochs=2, batch_size=8, precision="bf16"))
     trainer = Trainer(cfg, tmp_path / "combo")
     model, ema = trainer.model, trainer.ema.module
     steps = []  # per optimizer step: (global step, its LR, the model's weights after it, the EMA's before and after)
@@ -376,7 +377,7 @@ def _copy(state: dict) -> dict:
 
 
 # ---- regression tests of issue 8 ----------------------------------------------------------------
-TINIEST = dict(epochs=1, batch_size=4, lr=0.02, workers=0, warmup_epochs=0, quiet=True, device="cpu")
+TINIEST = dict(epochs=1, batch_size=4, lr=0.02, workers=0, warmup_epochs=0, quiet=True, device="cpu", precision="fp32")
 
 
 @pytest.fixture(scope="module")
@@ -568,7 +569,7 @@ def _count_backbone_images(model: torch.nn.Module) -> list[int]:
 
 def test_frozen_phase_runs_the_backbone_once_and_validates_as_evaluation_does(two_classes, tiny_model_dir, tmp_path):
     cfg = TrainConfig(data=str(two_classes), pretrained=str(tiny_model_dir), output=str(tmp_path / "probe"),
-                      freeze_backbone=True, val_split=0.2, precision="fp32", **dict(TINIEST, epochs=6))
+                      freeze_backbone=True, val_split=0.2, **dict(TINIEST, epochs=6))
     trainer = Trainer(cfg, tmp_path / "probe")
     seen = _count_backbone_images(trainer.model)
     with _quiet_progress() as progress:
