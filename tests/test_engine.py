@@ -122,3 +122,29 @@ def test_finetune_takes_a_recipe_and_overrides_it_as_the_cli_does(two_classes, t
     assert saved["model_kwargs"] == {"drop_rate": 0.1, "attn_drop_rate": 0.2}  # merged key by key
     with pytest.raises(VitftError, match="--recipe is for new runs"):
         finetune(resume=out, recipe=recipe, epochs=2)
+
+
+def _choose_on_rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from vit_finetune.engine.distributed import Dist, main_process_choice
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:  # each rank "measured" its own answer; all must train with rank 0's
+        chosen = main_process_choice(f"bf16 from rank {rank}" if rank == 0 else None, Dist(rank, 2, rank))
+        Path(out, f"rank{rank}").write_text(chosen)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes
+def test_ranks_take_the_main_process_precision_choice(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_choose_on_rank, args=(port, str(tmp_path)), nprocs=2, join=True)
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["bf16 from rank 0"] * 2

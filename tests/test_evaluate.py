@@ -68,7 +68,8 @@ def eval_data(class_images, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def cli_eval(run_dir, eval_data):
     """`vitft evaluate RUN --data DIR` once, output in the run folder (the default for a local folder)."""
-    return invoke("evaluate", run_dir, "--data", eval_data, "--workers", 0, "--batch-size", 16, "--device", "cpu")
+    return invoke("evaluate", run_dir, "--data", eval_data, "--workers", 0, "--batch-size", 16, "--device", "cpu",
+                  "--precision", "fp32")
 
 
 def image_key(path) -> str:

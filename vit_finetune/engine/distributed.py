@@ -60,6 +60,15 @@ def all_sum(values: list[float], ddp: Dist, device: torch.device) -> list[float]
     return t.tolist()
 
 
+def main_process_choice(value, ddp: Dist):
+    """Rank 0's `value` on every rank: a choice each rank would make on its own (a timing) must be the same."""
+    if not ddp.enabled:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def average_gradients(model: nn.Module, ddp: Dist) -> None:
     """Average the gradients over the ranks by hand: for a forward that runs outside DDP's wrapper (the head on
     cached features)."""

@@ -27,7 +27,7 @@ from ..tasks.inference import top_k_hits
 from ..weights.loading import describe_weights
 from ..weights.preprocessing import preprocessing
 from . import callbacks as cb
-from .distributed import all_sum, init_distributed
+from .distributed import all_sum, init_distributed, main_process_choice
 from .loop import EpochResult, StopFlag, run_steps
 from .model_setup import build_model, is_scratch
 from .phases import PhasePlan
@@ -72,7 +72,9 @@ class Trainer:
         self.model.pretrained_cfg["label_names"] = list(self.classes)
         self.img_size = tuple(self.model.patch_embed.img_size)
         self.model.to(self.device)
-        self.precision_choice = choose_precision(self.device, cfg.precision, model_widths(self.model))
+        # measured on rank 0 alone: ranks that timed bf16 differently would train in different precisions
+        self.precision_choice = main_process_choice(
+            choose_precision(self.device, cfg.precision, model_widths(self.model)) if self.ddp.main else None, self.ddp)
         self.precision = self.precision_choice.precision
         if cfg.grad_checkpointing:
             self.model.set_grad_checkpointing(True)
