@@ -78,6 +78,7 @@ def predict(
     pretrained: bool = False,
     output: Union[str, os.PathLike, IO[str], None] = None,
     fmt: Optional[str] = None,
+    threads: Optional[int] = None,
 ) -> Predictions:
     """Top-k labels for image files, folders (recursive) or globs; yields Predictions as batches complete.
 
@@ -102,7 +103,8 @@ def predict(
     except VitftError:  # not one readable image: every row is an error
         rows = iter([Prediction(str(p), [], [], unreadable_reason(p)) for p in paths])
     else:
-        rows = _predict_rows(net, dataset, paths, classes, k, tta, batch_size, workers, dev, precision, progress)
+        rows = _predict_rows(net, dataset, paths, classes, k, tta, batch_size, workers, dev, precision, progress,
+                             threads)
     predictions = Predictions(rows, len(paths), k, classes)
     if output is None:
         return predictions
@@ -130,12 +132,13 @@ def prediction_format(fmt: Optional[str], output: Union[str, os.PathLike, IO[str
 
 def _predict_rows(net: VisionTransformer, dataset: ImageDataset, paths: list[Path], classes: list[str], k: int,
                   tta: bool, batch_size: int, workers: Optional[int], device: torch.device, precision: str,
-                  progress: Optional[ProgressFn]) -> Iterator[Prediction]:
+                  progress: Optional[ProgressFn], threads: Optional[int]) -> Iterator[Prediction]:
     position = {p: i for i, p in enumerate(paths)}
     ready = {position[p]: Prediction(str(p), [], [], unreadable_reason(p)) for p in dataset.unreadable}
     next_row = done = 0
     try:
-        for requested, decoded, logp in infer(net, dataset, batch_size, workers, device, precision, tta, progress):
+        for requested, decoded, logp in infer(net, dataset, batch_size, workers, device, precision, tta,
+                                              progress, threads):
             probs, idx = logp.exp().topk(k, dim=1)
             for r, ok, p, j in zip(requested.tolist(), decoded.tolist(), probs.tolist(), idx.tolist()):
                 path = dataset.paths[r]
