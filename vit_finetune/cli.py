@@ -22,6 +22,7 @@ from rich.table import Table
 from . import __version__
 from .config import DEVICE_HELP, THREADS_DEFAULT, THREADS_HELP, WORKERS_DEFAULT, TrainConfig
 from .errors import VitftError
+from .hub.onnx import INSTALL as ONNX_INSTALL
 from .terminal import Command, Group, console, print_report, setup_logging
 
 # where a model comes from, as evaluate, predict and explain take it
@@ -374,7 +375,7 @@ def export_cmd(
                                           help="Hub dataset id trained on, for the card's metadata."),
     onnx: bool = typer.Option(False, "--onnx",
                               help="Also write model.onnx (float32), checked against PyTorch with onnxruntime. Needs: "
-                                   "pip install 'vit-finetune[onnx]'."),
+                                   f"{ONNX_INSTALL}."),
     img_size: Optional[int] = typer.Option(None, "--img-size",
                                            help="Export everything at this input size (position embedding resized).",
                                            show_default="the run's"),
