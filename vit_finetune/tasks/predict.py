@@ -26,6 +26,7 @@ from .inference import ImagesLike, ModelLike, ProgressFn, infer, label_names, pr
 DECODE_ERROR = "could not be decoded (truncated or corrupt image)"
 FORMATS = ("csv", "jsonl")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+REPR_CLASSES = 5  # class names a Predictions' repr shows
 
 
 @dataclass
@@ -48,7 +49,9 @@ class Prediction:
 
 
 class Predictions(Iterator[Prediction]):
-    """The iterator `predict` returns: Predictions in sorted path order, as batches complete.
+    """What `predict` returns: an iterator of Prediction rows (`.path`, `.labels` and `.probs` most probable first,
+    `.label` the top one, `.error` for a file that could not be read), one per file in sorted path order, as
+    batches complete. It can be iterated once: `list(predictions)` keeps the rows.
 
     `total` is the number of files, `top_k` the number of labels per row, `classes` the model's class names.
     """
@@ -61,6 +64,11 @@ class Predictions(Iterator[Prediction]):
 
     def __next__(self) -> Prediction:
         return next(self._rows)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(self.classes[:REPR_CLASSES]) + (", ..." if len(self.classes) > REPR_CLASSES else "")
+        return (f"Predictions({self.total} image(s), top-{self.top_k} of {len(self.classes)} classes: {shown}; "
+                f"iterate or list() it for Prediction rows)")
 
 
 def predict(
@@ -80,7 +88,8 @@ def predict(
     fmt: Optional[str] = None,
     threads: Optional[int] = None,
 ) -> Predictions:
-    """Top-k labels for image files, folders (recursive) or globs; yields Predictions as batches complete.
+    """Top-k labels for image files, folders (recursive) or globs: a Predictions iterator of Prediction rows
+    (path, labels, probs, label, error), yielded as batches complete.
 
     Rows come in sorted path order. A file that is not a readable image, or fails to decode, gives a Prediction
     with `error` set (never an exception). Model and inputs are checked now; images are read while iterating.
