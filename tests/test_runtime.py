@@ -67,7 +67,7 @@ def test_cores_other_programs_keep_busy_are_left_to_them(cores, monkeypatch):
     plan = fit_cpu_threads(CPU, None, data_ms=0.2, model_ms=20.0)
     assert (plan.workers, plan.threads) == (0, 1)
     assert plan.describe() == ("0 loader worker(s) + 1 torch thread(s) (data ~0.2 ms vs model ~20 ms per image on 1 "
-                               "core(s); other programs keep 1 of 2 busy (load 1.3), --threads N overrides)")
+                               "of 2 core(s): other programs keep the rest busy, load 1.3; --threads N overrides)")
     assert fit_cpu_threads(CPU, 0).threads == 1  # explicit workers too
     load(monkeypatch, 1.2, own=1.0)  # only this run's own work
     assert fit_cpu_threads(CPU, None, data_ms=0.2, model_ms=20.0).threads == 2

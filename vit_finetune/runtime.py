@@ -146,15 +146,15 @@ def fit_cpu_threads(device: torch.device, workers: Optional[int], processes: int
     load = 0.0 if threads else others_load(processes)
     busy = min(cores - 1, int(load + 0.5))
     free = cores - busy
+    on = f"{free} of {cores} core(s): other programs keep the rest busy, load {load:.1f}; --threads N overrides" \
+        if busy else f"{cores} core(s)"
     if workers is None:
         share = data_ms / max(data_ms + model_ms, 1e-9)
         pays_off = free > 1 and data_ms * free * (free - 1) > model_ms
         workers = min(free - 1, max(1, round(free * share))) if pays_off else 0
-        why = f"data ~{data_ms:.2g} ms vs model ~{model_ms:.2g} ms per image on {free} core(s)"
+        why = f"data ~{data_ms:.2g} ms vs model ~{model_ms:.2g} ms per image on {on}"
     else:
-        why = f"--workers {workers} on {free} core(s)"
-    if busy:
-        why += f"; other programs keep {busy} of {cores} busy (load {load:.1f}), --threads N overrides"
+        why = f"--workers {workers} on {on}"
     if threads:
         return CpuPlan(workers, threads, why + fixed)
     if "OMP_NUM_THREADS" in os.environ:
