@@ -86,6 +86,9 @@ def _flat(text: str) -> str:
 def test_help_shows_every_help_text_as_written():
     """typer reads help as rich markup: `pip install -e '.[onnx]'` lost `[onnx]`. Every command's and option's
     help text shows whole, brackets and all (on a line wide enough that nothing wraps)."""
+    finetune = invoke("finetune", "--help", columns=200).output  # a docstring's line breaks are not kept
+    assert "Options given on the command line override the recipe's; the others take the recipe's value, else the " \
+           "default shown." in finetune
     export = _flat(invoke("export", "--help", columns=1000).output)
     assert f"Needs: {ONNX_INSTALL}." in export and "pip install -e '.[onnx]' in a clone of vitft" in export
     for name, cmd in _commands().items():

@@ -3,6 +3,7 @@ and the tables of an evaluation report. Light: no torch, no timm."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import re
 import sys
@@ -46,15 +47,21 @@ class _OptionsTable(Table):
                 text.overflow = "fold"
 
 
+def _unwrapped(text: str) -> str:
+    """Paragraphs as single lines: typer keeps a docstring's line breaks after its first paragraph, and the
+    terminal wraps them again, leaving a short line at every break of the source."""
+    return "\n\n".join(" ".join(paragraph.split()) for paragraph in inspect.cleandoc(text).split("\n\n"))
+
+
 @contextlib.contextmanager
 def _help_as_written(command) -> Iterator[None]:
-    """While `command`'s help is shown: its help, its parameters' and its subcommands' with rich markup escaped
-    (typer reads them as markup, and `pip install -e '.[onnx]'` lost `[onnx]`), in typer's tables of options
-    with whole names. The texts are given back as they were after."""
+    """While `command`'s help is shown: its help, its parameters' and its subcommands' unwrapped and with rich
+    markup escaped (typer reads them as markup: `pip install 'vit-finetune[onnx]'` lost `[onnx]`), in typer's
+    tables of options with whole names. The texts are given back as they were after."""
     texts = [command, *command.params, *getattr(command, "commands", {}).values()]
     written = [item.help for item in texts]
     for item in texts:
-        item.help = escape(item.help) if item.help else item.help
+        item.help = escape(_unwrapped(item.help)) if item.help else item.help
     table, typer.rich_utils.Table = typer.rich_utils.Table, _OptionsTable
     try:
         yield
