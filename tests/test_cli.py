@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from typer.testing import CliRunner
 from vit_finetune import __version__
 from vit_finetune.cli import _summary, app
 from vit_finetune.config import TrainConfig
+from vit_finetune.hub.onnx import INSTALL as ONNX_INSTALL
 
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "timm", "albumentations", "cv2", "matplotlib")
@@ -69,6 +71,42 @@ def test_every_option_of_every_command_has_help():
     for name, cmd in group.commands.items():
         for param in cmd.params:
             assert getattr(param, "help", None), f"vitft {name} {param.name} has no help"
+
+
+def _commands() -> dict[str, object]:
+    """Every help page: the group's ('') and each command's, by the arguments that show it."""
+    group = typer.main.get_command(app)
+    return {"": group, **group.commands}
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_help_shows_every_help_text_as_written():
+    """typer reads help as rich markup: `pip install -e '.[onnx]'` lost `[onnx]`. Every command's and option's
+    help text shows whole, brackets and all (on a line wide enough that nothing wraps)."""
+    finetune = invoke("finetune", "--help", columns=200).output  # a docstring's line breaks are not kept
+    assert "Options given on the command line override the recipe's; the others take the recipe's value, else the " \
+           "default shown." in finetune
+    export = _flat(invoke("export", "--help", columns=1000).output)
+    assert f"Needs: {ONNX_INSTALL}." in export and "pip install -e '.[onnx]' in a clone of vitft" in export
+    for name, cmd in _commands().items():
+        shown = _flat(invoke(*name.split(), "--help", columns=1000).output)
+        texts = [cmd.help, *(param.help for param in cmd.params)]
+        texts += [sub.help.split("\n\n")[0] for sub in getattr(cmd, "commands", {}).values()]
+        for text in filter(None, texts):
+            assert _flat(text) in shown, f"vitft {name} --help: {text!r}"
+
+
+def test_option_names_show_whole_at_80_columns():
+    """At 80 columns rich cut `--max-steps-per-epoch` to `--max-steps-per-epo…`: the help column gives way."""
+    for name, cmd in _commands().items():
+        shown = invoke(*name.split(), "--help", columns=80).output
+        assert "…" not in shown, f"vitft {name} --help cuts a word:\n{shown}"
+        for option in (o for param in cmd.params for o in [*param.opts, *param.secondary_opts]):
+            if option.startswith("--"):
+                assert re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", shown), f"vitft {name}: {option}"
 
 
 def test_finetune_options_are_the_train_config_fields_with_a_panel():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CLASSES, TINY, invoke_cli, make_subset
+from conftest import CLASSES, TINY, invoke_cli, make_images, make_subset
 from PIL import Image
 
 from vit_finetune import create_model, save_pretrained
@@ -300,6 +300,18 @@ def test_library_predict(run_dir, messy_folder, eval_data, cli_eval):
     for path, r in predicted.items():
         assert r.label == evaluated[path]["predicted_label"]
         assert r.probs[0] == pytest.approx(float(evaluated[path]["confidence"]), abs=1e-5)
+
+
+def test_predictions_say_what_they_are_and_can_be_listed(tiny_model_dir, tmp_path):
+    """`vf.predict` printed as `<...Predictions object at 0x...>`: its repr says what it holds and how to get it."""
+    images = make_images(tmp_path, {"x": 3}, size=32)
+    predictions = predict(str(tiny_model_dir), [images], top_k=3, workers=0, device="cpu", threads=1)
+    assert repr(predictions) == ("Predictions(3 image(s), top-3 of 6 classes: buildings, forest, glacier, mountain, "
+                                 "sea, ...; iterate or list() it for Prediction rows)")
+    rows = list(predictions)
+    assert len(rows) == 3 and all(isinstance(r, Prediction) and len(r.labels) == 3 and r.label == r.labels[0]
+                                  and r.error is None for r in rows)
+    assert list(predictions) == []  # an iterator: listed once
 
 
 def test_bare_weights_file_with_model_arch(eval_data, tmp_path):

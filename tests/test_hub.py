@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CLASSES, TINY
+from conftest import REPO as CHECKOUT
 from hub_server import HubServer, lfs_pointer, put_files
 from safetensors.torch import load
 
@@ -526,6 +527,21 @@ def test_card_lists_the_overridden_architecture_args(tiny_model_dir, tmp_path):
     assert line.startswith("- **Architecture:** `vit_tiny_patch16_224` (timm) with depth=3, embed_dim=64, "
                            "img_size=48, num_heads=2, patch_size=8, "), line
     assert "drop_path" not in line
+
+
+def test_the_card_points_at_the_project_repository(tiny_model_dir, tmp_path):
+    """vitft is not on PyPI: the card links the repository (pyproject's, the one source) and installs from it."""
+    import tomllib
+
+    from vit_finetune import __url__
+
+    urls = tomllib.loads((CHECKOUT / "pyproject.toml").read_text())["project"]["urls"]
+    assert urls["Repository"] == __url__
+    run = evaluated_run_without_report(tiny_model_dir, tmp_path / "run", {"pretrained": "none"})
+    card = (export(run, tmp_path / "out", repo_id=REPO) / "README.md").read_text()
+    assert f"with [vitft]({__url__})." in card
+    assert f"```bash\npip install git+{__url__}\nvitft predict hf-hub:{REPO} images/\n```" in card
+    assert "pypi.org" not in card and "pip install vit-finetune" not in card
 
 
 def test_non_utf8_class_folder_in_the_card(tmp_path):

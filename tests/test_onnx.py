@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("onnxruntime", reason="the ONNX export tests need the onnx extra: pip install 'vit-finetune[onnx]'")
-pytest.importorskip("onnxscript", reason="the ONNX export tests need the onnx extra: pip install 'vit-finetune[onnx]'")
-onnx = pytest.importorskip("onnx", reason="the ONNX export tests need the onnx extra: pip install 'vit-finetune[onnx]'")
+pytest.importorskip("onnxruntime", reason="the ONNX export tests need the onnx extra: pip install -e '.[onnx]'")
+pytest.importorskip("onnxscript", reason="the ONNX export tests need the onnx extra: pip install -e '.[onnx]'")
+onnx = pytest.importorskip("onnx", reason="the ONNX export tests need the onnx extra: pip install -e '.[onnx]'")
 import onnxruntime as ort  # noqa: E402
 from conftest import CLASSES, NOT_UTF8, TINY, tiny_classifier  # noqa: E402
 
@@ -186,7 +186,8 @@ def test_missing_extra_fails_before_any_work(tiny_model_dir, tmp_path, monkeypat
         raise AssertionError("the model was loaded before the missing extra was noticed")
 
     monkeypatch.setattr(vit_finetune.weights.loading, "load_model", no_work)
-    with pytest.raises(VitftError, match=r"needs onnxruntime.*pip install 'vit-finetune\[onnx\]'"):
+    with pytest.raises(VitftError, match=r"needs onnxruntime.*pip install -e '\.\[onnx\]' in a clone of vitft, "
+                                         r"else pip install onnx onnxruntime onnxscript$"):
         export(tiny_model_dir, tmp_path / "out", onnx=True)
     assert not (tmp_path / "out").exists()
 
@@ -194,7 +195,7 @@ def test_missing_extra_fails_before_any_work(tiny_model_dir, tmp_path, monkeypat
 def test_cli_missing_extra_names_the_install_command(tiny_model_dir, tmp_path):
     proc = vitft("export", str(tiny_model_dir), str(tmp_path / "out"), "--onnx", block="onnx")
     assert proc.returncode == 1
-    assert "pip install 'vit-finetune[onnx]'" in proc.stderr and "Traceback" not in proc.stderr
+    assert "pip install -e '.[onnx]' in a clone of vitft" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -1,5 +1,6 @@
 """The device `--device auto` picks (the CPU in tests, subprocesses too), and how a loader shares the CPU with
-torch: the choice of workers and threads, and that it is undone after."""
+torch: the choice of workers and threads (cores other programs keep busy left out, --threads fixing it), and that
+it is undone after."""
 from __future__ import annotations
 
 import os
@@ -9,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, invoke_cli, make_images
 from PIL import Image
 
 from vit_finetune import VitftError, runtime
@@ -22,10 +23,18 @@ CPU = torch.device("cpu")
 
 @pytest.fixture
 def cores(monkeypatch):
+    """use(n): a machine of n cores, no other program busy on it (load average 0) unless the test says so."""
     def use(n: int) -> None:
         monkeypatch.setattr(runtime, "cpu_cores", lambda processes=1: max(1, n // processes))
+        monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     return use
+
+
+def load(monkeypatch, average: float, own: float = 0.0) -> None:
+    """A 1-minute load average of `average`, of which this process's own use is `own` cores."""
+    monkeypatch.setattr(os, "getloadavg", lambda: (average, average, average))
+    monkeypatch.setattr(runtime, "own_cpu_use", lambda: own)
 
 
 def test_small_cpus_give_every_core_to_torch(cores):
@@ -48,6 +57,67 @@ def test_explicit_workers_and_processes_share_the_cores(cores):
     assert fit_cpu_threads(CPU, 3, processes=2).threads == 5  # 8 cores per process, 3 to the workers
     plan = fit_cpu_threads(torch.device("cuda"), None)
     assert plan.threads is None and plan.workers == 8  # off the CPU, torch's threads are left alone
+
+
+def test_cores_other_programs_keep_busy_are_left_to_them(cores, monkeypatch):
+    """On 2 cores beside one busy process, 1 torch thread ran at 6 img/s where 2 ran at 3: a busy core is left out,
+    and the start-up line says so. The run's own share of the load is not another program's."""
+    cores(2)
+    load(monkeypatch, 2.3, own=1.0)  # another program keeps one core busy
+    plan = fit_cpu_threads(CPU, None, data_ms=0.2, model_ms=20.0)
+    assert (plan.workers, plan.threads) == (0, 1)
+    assert plan.describe() == ("0 loader worker(s) + 1 torch thread(s) (data ~0.2 ms vs model ~20 ms per image on 1 "
+                               "of 2 core(s): other programs keep the rest busy, load 1.3; --threads N overrides)")
+    assert fit_cpu_threads(CPU, 0).threads == 1  # explicit workers too
+    load(monkeypatch, 1.2, own=1.0)  # only this run's own work
+    assert fit_cpu_threads(CPU, None, data_ms=0.2, model_ms=20.0).threads == 2
+    cores(16)
+    load(monkeypatch, 12.0)  # 12 of 16 busy: the data's quarter of the 4 free cores is a worker
+    plan = fit_cpu_threads(CPU, None, data_ms=50.0, model_ms=150.0)
+    assert (plan.workers, plan.threads) == (1, 3)
+
+
+def test_threads_option_fixes_torchs_threads(cores, monkeypatch):
+    cores(2)
+    load(monkeypatch, 4.0)
+    plan = fit_cpu_threads(CPU, None, data_ms=0.2, model_ms=20.0, threads=2)
+    assert plan.threads == 2 and plan.describe().endswith("on 2 core(s), --threads 2)")  # the load is not read
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert fit_cpu_threads(CPU, 0, threads=3).threads == 3  # --threads wins over OMP_NUM_THREADS
+    assert fit_cpu_threads(torch.device("cuda"), None, threads=4).threads == 4
+    with pytest.raises(VitftError, match=r"^--threads 0: torch needs at least 1 thread; leave it out"):
+        fit_cpu_threads(CPU, None, threads=0)
+
+
+def test_threads_reach_torch_in_training_and_validation(tmp_path, cores, monkeypatch):
+    """`vitft finetune --threads 1` (a TrainConfig option, so the CLI has it): every forward pass, training and
+    validation, runs on 1 torch thread although torch had 2 and the 2 cores are free."""
+    from vit_finetune.models.vit import VisionTransformer
+
+    cores(2)
+    seen = []
+    forward = VisionTransformer.forward
+
+    def recording(self, *args, **kwargs):
+        seen.append((self.training, torch.get_num_threads()))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(VisionTransformer, "forward", recording)
+    data = make_images(tmp_path / "data", {"a": 8, "b": 8}, size=32)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        result = invoke_cli("finetune", "--data", data, "--pretrained", "none", "--model", "vit_tiny_patch16_224",
+                            "--img-size", 32, "--model-kwargs", "patch_size=8", "--model-kwargs", "embed_dim=32",
+                            "--model-kwargs", "depth=1", "--model-kwargs", "num_heads=2", "--epochs", 1,
+                            "--batch-size", 4, "--val-split", 0.25, "--quiet", "--precision", "fp32",
+                            "--output", tmp_path / "run", "--threads", 1)
+        assert result.exit_code == 0, result.output
+        assert torch.get_num_threads() == 2  # given back after the run
+    finally:
+        torch.set_num_threads(previous)
+    assert {training for training, _ in seen} == {True, False}
+    assert {threads for _, threads in seen} == {1}
 
 
 def test_loader_restores_torchs_thread_count(tmp_path, cores):

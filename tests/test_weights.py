@@ -216,6 +216,25 @@ def test_hf_cache_offline(tmp_path, monkeypatch):
     assert "not in the local HF cache" in empty["error"] and "HF_HUB_OFFLINE" in empty["error"]
 
 
+def test_offline_error_names_local_weights_in_python_and_command_line_terms(tmp_path, monkeypatch):
+    """The way out of a missing download, said so that a Python caller (`pretrained=PATH`, not `--pretrained
+    PATH`) and a command-line user both read their own terms."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty_cache"))
+    ways_out = (r"download it once with network access, give a local weights file or model folder in its place "
+                r"\(pretrained=PATH in Python, --pretrained PATH on the command line, or the PATH as the model to "
+                r"evaluate, predict or explain\)$")
+    with pytest.raises(VitftError, match=r"^timm/vit_tiny_patch16_224\.augreg_in21k_ft_in1k/model\.safetensors.* "
+                                         r"is not in the local HF cache and HF_HUB_OFFLINE is set; " + ways_out):
+        create_model("vit_t_16", pretrained=True)
+    data = make_images(tmp_path / "data", {"a": 4, "b": 4}, size=32)
+    result = invoke_cli("finetune", "--pretrained", "vit_t_16", "--data", data, "--output", tmp_path / "run")
+    assert result.exit_code == 1
+    assert re.search(ways_out, " ".join(result.output.split())), result.output
+
+
 UNREACHABLE_SCRIPT = textwrap.dedent("""
     import logging, sys, time
     from vit_finetune import VitftError, create_model

@@ -9,6 +9,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+# the project's repository (pyproject.toml's [project.urls] Repository says the same): vitft is not on PyPI, so
+# install instructions say `pip install git+` this, or `pip install -e .` in a clone
+__url__ = "https://github.com/vitft/vit-finetune"
 
 _PUBLIC = {  # name -> the module that defines it
     "ALIASES": "models.archs", "list_archs": "models.archs",

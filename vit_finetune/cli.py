@@ -20,8 +20,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import __version__
-from .config import DEVICE_HELP, TrainConfig
+from .config import DEVICE_HELP, THREADS_DEFAULT, THREADS_HELP, WORKERS_DEFAULT, TrainConfig
 from .errors import VitftError
+from .hub.onnx import INSTALL as ONNX_INSTALL
 from .terminal import Command, Group, console, print_report, setup_logging
 
 # where a model comes from, as evaluate, predict and explain take it
@@ -246,8 +247,8 @@ def evaluate_cmd(
                                            show_default="the model's"),
     tta: bool = typer.Option(False, "--tta", help="Average the predictions of each image and its mirror image."),
     batch_size: int = typer.Option(64, help="Images per batch."),
-    workers: Optional[int] = typer.Option(None, help="DataLoader worker processes.",
-                                          show_default="cores - 1, at most 8"),
+    workers: Optional[int] = typer.Option(None, help="DataLoader worker processes.", show_default=WORKERS_DEFAULT),
+    threads: Optional[int] = typer.Option(None, help=THREADS_HELP, metavar="N", show_default=THREADS_DEFAULT),
     device: str = typer.Option("auto", help=DEVICE_HELP),
     precision: str = typer.Option("auto", help=PRECISION_HELP),
     output: Optional[str] = typer.Option(None, help="Folder for report.json and friends.", metavar="DIR",
@@ -266,7 +267,8 @@ def evaluate_cmd(
 
     with ProgressBar("evaluating", min_total=128) as bar:
         report = evaluate(model, data, split=split, img_size=img_size, tta=tta, batch_size=batch_size,
-                          workers=workers, device=device, precision=precision, output=output or DEFAULT_OUTPUT,
+                          workers=workers, threads=threads, device=device, precision=precision,
+                          output=output or DEFAULT_OUTPUT,
                           arch=arch, progress=bar, val_split=val_split, seed=seed,
                           explain="rollout" if explain else None, pretrained=pretrained)
     print_report(report)
@@ -283,8 +285,8 @@ def predict_cmd(
                                       show_default="from --output's suffix, else csv"),
     output: Optional[str] = typer.Option(None, help="Output file.", metavar="FILE", show_default="stdout"),
     batch_size: int = typer.Option(64, help="Images per batch."),
-    workers: Optional[int] = typer.Option(None, help="DataLoader worker processes.",
-                                          show_default="cores - 1, at most 8"),
+    workers: Optional[int] = typer.Option(None, help="DataLoader worker processes.", show_default=WORKERS_DEFAULT),
+    threads: Optional[int] = typer.Option(None, help=THREADS_HELP, metavar="N", show_default=THREADS_DEFAULT),
     device: str = typer.Option("auto", help=DEVICE_HELP),
     precision: str = typer.Option("auto", help=PRECISION_HELP),
     img_size: Optional[int] = typer.Option(None, help="Predict at this resolution (position embedding resized).",
@@ -298,7 +300,7 @@ def predict_cmd(
     # a bar on a terminal only when the rows do not go to that same terminal
     with ProgressBar("predicting", enabled=bool(output) or not sys.stdout.isatty(), min_total=128) as bar:
         rows = predict(model, inputs, top_k=top_k, img_size=img_size, tta=tta, batch_size=batch_size,
-                       workers=workers, device=device, precision=precision, arch=arch, progress=bar,
+                       workers=workers, threads=threads, device=device, precision=precision, arch=arch, progress=bar,
                        pretrained=pretrained, output=output or sys.stdout, fmt=fmt)
     bad = sum(row.error is not None for row in rows)
     good = rows.total - bad
@@ -373,7 +375,7 @@ def export_cmd(
                                           help="Hub dataset id trained on, for the card's metadata."),
     onnx: bool = typer.Option(False, "--onnx",
                               help="Also write model.onnx (float32), checked against PyTorch with onnxruntime. Needs: "
-                                   "pip install 'vit-finetune[onnx]'."),
+                                   f"{ONNX_INSTALL}."),
     img_size: Optional[int] = typer.Option(None, "--img-size",
                                            help="Export everything at this input size (position embedding resized).",
                                            show_default="the run's"),

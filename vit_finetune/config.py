@@ -13,6 +13,9 @@ from .errors import VitftError, did_you_mean
 DATA, MODEL, OPTIMISATION, AUGMENTATION, RUNTIME, OUTPUT = (
     "Data", "Model", "Optimisation", "Augmentation", "Runtime", "Output")
 DEVICE_HELP = "auto, cpu, cuda or mps."
+THREADS_HELP = "torch's CPU threads (on a shared machine: the cores that no other program keeps busy)."
+THREADS_DEFAULT = "the free cores: all, less loader workers and the cores other programs keep busy"
+WORKERS_DEFAULT = "chosen with torch's threads from the work and the cores"
 
 
 def option(default: Any = dataclasses.MISSING, *, help: str, panel: Optional[str] = None,
@@ -38,8 +41,8 @@ class TrainConfig:
     cache: bool = option(False, panel=DATA, help="Decode every image once and keep it in memory.",
                          hyperparameter=False)
     workers: Optional[int] = option(None, panel=DATA, help="DataLoader worker processes.",
-                                    when_none="chosen with torch's threads from the work and the cores; the "
-                                    "start-up lines say which", hyperparameter=False)
+                                    when_none=WORKERS_DEFAULT + "; the start-up lines say which",
+                                    hyperparameter=False)
     pretrained: Optional[str] = option(
         None, panel=MODEL, metavar="WEIGHTS", when_none="--model's default weights, else vit_b_16",
         help="Weights: vit_b_16, arch.tag, hf-hub:org/repo, a folder or file, or 'none' (random initialisation).")
@@ -93,6 +96,8 @@ class TrainConfig:
     device: str = option("auto", panel=RUNTIME, help=DEVICE_HELP, hyperparameter=False)
     precision: str = option("auto", panel=RUNTIME, help="auto, bf16, fp16 or fp32 (auto: bf16 on CUDA, else fp16; "
                             "on the CPU bf16 only where it measures faster).")
+    threads: Optional[int] = option(None, panel=RUNTIME, metavar="N", hyperparameter=False, help=THREADS_HELP,
+                                    when_none=THREADS_DEFAULT + "; the start-up lines say which")
     compile: bool = option(False, panel=RUNTIME, help="torch.compile the model.", hyperparameter=False)
     grad_checkpointing: bool = option(False, panel=RUNTIME, hyperparameter=False,
                                       help="Trade compute for memory: recompute activations in backward.")

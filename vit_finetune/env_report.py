@@ -101,8 +101,8 @@ def collect() -> dict[str, Any]:
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
                 "loader_workers": f"on the CPU a loader worker takes a whole core from torch: with {cores} core(s), "
                                   "workers only where an image's data work exceeds its model work / "
-                                  f"{cores * (cores - 1)} (cores x (cores - 1)), and torch gets the other cores; "
-                                  "--workers overrides it",
+                                  f"{cores * (cores - 1)} (cores x (cores - 1)), and torch gets the other cores, less "
+                                  "those other programs keep busy (load average); --workers and --threads override it",
             },
         }
         report["hub"] = hub.result()

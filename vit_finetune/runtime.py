@@ -96,32 +96,70 @@ def cpu_cores(processes: int = 1) -> int:
     return max(1, cores // max(processes, 1))
 
 
+def own_cpu_use() -> float:
+    """The cores this process has kept busy on average since it started (its CPU time over its age): its own
+    share of the load average, at most. 0 where the process's start time is unknown (no /proc)."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = float(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time after boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    age = uptime - started_ticks / os.sysconf("SC_CLK_TCK")
+    return time.process_time() / age if age > 0 else 0.0
+
+
+def others_load(processes: int = 1) -> float:
+    """The cores that other programs keep busy: the 1-minute load average less this run's own use (its
+    `processes` alike); 0 where there is no load average (Windows)."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+    return max(0.0, load - own_cpu_use() * max(processes, 1))
+
+
 def fit_cpu_threads(device: torch.device, workers: Optional[int], processes: int = 1, data_ms: float = 1.0,
-                    model_ms: float = 200.0) -> CpuPlan:
-    """Choose loader workers (when not given) and torch threads together, from the work per image.
+                    model_ms: float = 200.0, threads: Optional[int] = None) -> CpuPlan:
+    """Choose loader workers (when not given) and torch threads together, from the work per image and the cores
+    that other programs leave free.
 
     On the CPU, OpenMP threads that share a core with a busy worker wait on each other at every op (2 torch
     threads beside 1 worker on 2 cores are far slower than 1 thread), so a worker costs torch a whole core.
     With c cores, data work D and model work M per image (single-core ms), 0 workers take D + M/c per
     image and w workers max(D/w, M/(c-w)): a worker pays off only when D > M/(c(c-1)), and then the data
     gets its share D/(D+M) of the cores. ViT steps dwarf cached augmentation by two orders of magnitude or more,
-    so small CPUs train fastest with no worker at all. An explicit OMP_NUM_THREADS
-    wins over the thread count. Off the CPU, torch's threads barely matter: workers default to cores - 1 (<= 8).
+    so small CPUs train fastest with no worker at all. A core that another program keeps busy (others_load,
+    rounded: half a core counts) stalls torch's threads the same way, so the plan leaves it out: on 2 cores
+    beside one busy process, 1 thread ran twice as fast as 2. `threads` (--threads) fixes torch's thread count,
+    else an explicit OMP_NUM_THREADS keeps torch's own. Off the CPU, torch's threads barely matter: workers
+    default to cores - 1 (<= 8).
     """
+    if threads is not None and threads < 1:
+        raise VitftError(f"--threads {threads}: torch needs at least 1 thread; leave it out to let vitft choose")
     cores = cpu_cores(processes)
+    fixed = f", --threads {threads}" if threads else ""
     if device.type != "cpu":
         chosen = max(0, min(8, cores - 1)) if workers is None else workers
-        return CpuPlan(chosen, None, f"{device.type}: workers feed the accelerator")
-    share = data_ms / max(data_ms + model_ms, 1e-9)
-    why = f"data ~{data_ms:.2g} ms vs model ~{model_ms:.2g} ms per image on {cores} core(s)"
+        return CpuPlan(chosen, threads, f"{device.type}: workers feed the accelerator{fixed}")
+    load = 0.0 if threads else others_load(processes)
+    busy = min(cores - 1, int(load + 0.5))
+    free = cores - busy
+    on = f"{free} of {cores} core(s): other programs keep the rest busy, load {load:.1f}; --threads N overrides" \
+        if busy else f"{cores} core(s)"
     if workers is None:
-        pays_off = cores > 1 and data_ms * cores * (cores - 1) > model_ms
-        workers = min(cores - 1, max(1, round(cores * share))) if pays_off else 0
+        share = data_ms / max(data_ms + model_ms, 1e-9)
+        pays_off = free > 1 and data_ms * free * (free - 1) > model_ms
+        workers = min(free - 1, max(1, round(free * share))) if pays_off else 0
+        why = f"data ~{data_ms:.2g} ms vs model ~{model_ms:.2g} ms per image on {on}"
     else:
-        why = f"--workers {workers} on {cores} core(s)"
+        why = f"--workers {workers} on {on}"
+    if threads:
+        return CpuPlan(workers, threads, why + fixed)
     if "OMP_NUM_THREADS" in os.environ:
         return CpuPlan(workers, None, why + ", OMP_NUM_THREADS set")
-    return CpuPlan(workers, max(1, cores - workers), why)
+    return CpuPlan(workers, max(1, free - workers), why)
 
 
 @contextlib.contextmanager

@@ -2,16 +2,20 @@
 and the tables of an evaluation report. Light: no torch, no timm."""
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 import re
 import sys
-from typing import Optional
+from typing import Iterator, Optional
 
+import typer.rich_utils
 from rich import box
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from .files import printable
@@ -28,8 +32,47 @@ def _plain_flags(command) -> None:
             param.metavar = param.name.upper()
 
 
+class _OptionsTable(Table):
+    """typer's table of options whose name and type columns never wrap: at 80 columns the help column gives way,
+    so `--max-steps-per-epoch` shows whole (rich would cut every column alike), and a long word in the help
+    folds rather than ending in an ellipsis."""
+
+    def add_row(self, *renderables, **kwargs) -> None:
+        super().add_row(*renderables, **kwargs)
+        for column in self.columns[:-1]:
+            column.no_wrap = True
+        help_cell = renderables[-1] if renderables else None
+        for text in getattr(help_cell, "renderables", [help_cell]):  # typer's help cell: Columns of Text
+            if isinstance(text, Text) and text.overflow is None:
+                text.overflow = "fold"
+
+
+def _unwrapped(text: str) -> str:
+    """Paragraphs as single lines: typer keeps a docstring's line breaks after its first paragraph, and the
+    terminal wraps them again, leaving a short line at every break of the source."""
+    return "\n\n".join(" ".join(paragraph.split()) for paragraph in inspect.cleandoc(text).split("\n\n"))
+
+
+@contextlib.contextmanager
+def _help_as_written(command) -> Iterator[None]:
+    """While `command`'s help is shown: its help, its parameters' and its subcommands' unwrapped and with rich
+    markup escaped (typer reads them as markup: `pip install 'vit-finetune[onnx]'` lost `[onnx]`), in typer's
+    tables of options with whole names. The texts are given back as they were after."""
+    texts = [command, *command.params, *getattr(command, "commands", {}).values()]
+    written = [item.help for item in texts]
+    for item in texts:
+        item.help = escape(_unwrapped(item.help)) if item.help else item.help
+    table, typer.rich_utils.Table = typer.rich_utils.Table, _OptionsTable
+    try:
+        yield
+    finally:
+        typer.rich_utils.Table = table
+        for item, text in zip(texts, written):
+            item.help = text
+
+
 class _PlainFlags:
-    """Help that shows flags (--help included) without a type."""
+    """Help that shows flags (--help included) without a type, and every help text as written."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -40,6 +83,10 @@ class _PlainFlags:
         if option is not None:
             option.metavar = ""
         return option
+
+    def format_help(self, ctx, formatter) -> None:
+        with _help_as_written(self):
+            super().format_help(ctx, formatter)
 
 
 class Command(_PlainFlags, TyperCommand):

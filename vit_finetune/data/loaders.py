@@ -195,6 +195,7 @@ def build_loader(
     *,
     train: bool,
     workers: int | None = None,
+    threads: int | None = None,
     device_type: str = "cpu",
     distributed: bool = False,
     seed: int = 0,
@@ -204,11 +205,12 @@ def build_loader(
 
     With distributed=True (torch.distributed initialised) each rank gets its shard from a DistributedSampler;
     call loader.sampler.set_epoch(epoch) every epoch to reshuffle. workers=None chooses the workers with torch's
-    threads (runtime.fit_cpu_threads); `loader.cpu_plan` says what was chosen. torch runs with the plan's threads
-    only while the loader is iterated: its previous count comes back after.
+    threads (runtime.fit_cpu_threads; `threads`, --threads, fixes torch's); `loader.cpu_plan` says what was chosen.
+    torch runs with the plan's threads only while the loader is iterated: its previous count comes back after.
     """
     processes = torch.distributed.get_world_size() if distributed else 1
-    plan = fit_cpu_threads(torch.device(device_type), workers, processes, *_work_per_image(dataset, train))
+    plan = fit_cpu_threads(torch.device(device_type), workers, processes, *_work_per_image(dataset, train),
+                           threads=threads)
     workers = plan.workers
     if isinstance(dataset, ImageDataset):
         dataset.fill_cache()  # before the workers fork, so they share it

@@ -185,7 +185,7 @@ def cache_features(trainer: Trainer, progress: ProgressBar) -> tuple[FeatureSet,
     views = cfg.feature_views
     dataset = trainer.train_set.with_transform(trainer.eval_tf if views == 1 else trainer.train_tf,
                                                return_index=True)
-    loader = build_loader(dataset, cfg.batch_size, train=False, workers=cfg.workers,
+    loader = build_loader(dataset, cfg.batch_size, train=False, workers=cfg.workers, threads=cfg.threads,
                           device_type=trainer.device.type, distributed=trainer.ddp.enabled, seed=cfg.seed)
     task = progress.add_task("pooled features", total=views * len(loader) + len(trainer.val_loader), info="")
     train = extract_features(trainer.model, loader, trainer.device, trainer.precision, views,

@@ -116,9 +116,11 @@ class Trainer:
                              "lower --batch-size")
         device_type = self.device.type
         self.train_loader = build_loader(self.train_set, cfg.batch_size, train=True, workers=cfg.workers,
-                                         device_type=device_type, distributed=self.ddp.enabled, seed=cfg.seed)
+                                         threads=cfg.threads, device_type=device_type, distributed=self.ddp.enabled,
+                                         seed=cfg.seed)
         self.val_loader = build_loader(self.val_set, cfg.batch_size, train=False, workers=cfg.workers,
-                                       device_type=device_type, seed=cfg.seed) if self.val_set is not None else ()
+                                       threads=cfg.threads, device_type=device_type,
+                                       seed=cfg.seed) if self.val_set is not None else ()
         if len(self.train_loader) < cfg.accum_steps:
             raise VitftError(f"an epoch has {len(self.train_loader)} batches, fewer than --accum-steps "
                              f"{cfg.accum_steps}; lower --accum-steps or --batch-size")

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+from .. import __url__
 from ..errors import VitftError
 from ..run_folder import CURVES, as_dict
 from ..weights.refs import RefKind, parse_ref
@@ -227,7 +228,7 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
         if dataset_name else ""
     out = [f"# {name}\n",
            f"A Vision Transformer image classifier ({len(labels) or model.num_classes} classes), {origin}{on} with "
-           f"[vitft](https://pypi.org/project/vit-finetune/). The weights are in timm's format: timm and vitft "
+           f"[vitft]({__url__}). The weights are in timm's format: timm and vitft "
            f"both load them by name.\n",
            "## Model details\n",
            f"- **Architecture:** `{arch}` (timm){f' with {overrides}' if overrides else ''}, "
@@ -299,7 +300,7 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
             'labels = model.pretrained_cfg["label_names"]',
             "for p, i in zip(top.values[0], top.indices[0]):",
             '    print(f"{labels[i]}: {p:.3f}")', "```", "",
-            "### vitft\n", "```bash", "pip install vit-finetune",
+            "### vitft\n", "```bash", f"pip install git+{__url__}",
             f"vitft predict hf-hub:{repo} images/", "```", "", "```python", "import vit_finetune", "",
             f'model = vit_finetune.create_model("hf-hub:{repo}", pretrained=True).eval()', "```", ""]
     if onnx:

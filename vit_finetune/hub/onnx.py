@@ -35,7 +35,8 @@ OPSET = 18
 INPUT_NAME, OUTPUT_NAME, BATCH_AXIS = "pixel_values", "logits", "batch"
 CHECK_BATCH_SIZES = (1, 3, 8)
 TOLERANCE = 1e-4  # the largest absolute logit difference from PyTorch (fp32) that passes
-INSTALL = "pip install 'vit-finetune[onnx]'"
+# vitft is not on PyPI: the extra installs from a clone
+INSTALL = "pip install -e '.[onnx]' in a clone of vitft, else pip install onnx onnxruntime onnxscript"
 _PACKAGES = ("onnx", "onnxruntime", "onnxscript")  # onnxscript: the torch.export-based exporter needs it
 
 

@@ -154,6 +154,7 @@ def evaluate(
     val_split: Optional[float] = None,
     seed: Optional[int] = None,
     pretrained: bool = False,
+    threads: Optional[int] = None,
 ) -> EvalReport:
     """Evaluate a classifier on a labelled dataset (any layout `finetune` accepts).
 
@@ -166,7 +167,8 @@ def evaluate(
     report.json, predictions.csv, confusion_matrix.png and mistakes.png are written (atomically) to `output`:
     by default ("auto") the model's folder when it is a local folder (a run), else ./eval-<model name>
     (default_output); with output=None nothing is written. `explain`: rollout, attention or gradcam (explain.py):
-    mistakes.png shows that heat map on each image.
+    mistakes.png shows that heat map on each image. `threads` fixes torch's CPU threads (default: the free cores,
+    as runtime.fit_cpu_threads chooses them).
     """
     check_model_source(model, arch, pretrained)
     dev = check_runtime(batch_size, device, precision)
@@ -200,7 +202,8 @@ def evaluate(
     skipped = [str(p) for p in dataset.unreadable]
     keep, logps = [], []
     start = time.perf_counter()
-    for requested, decoded, logp in infer(net, dataset, batch_size, workers, dev, precision, tta, progress):
+    for requested, decoded, logp in infer(net, dataset, batch_size, workers, dev, precision, tta, progress,
+                                          threads):
         skipped += [str(dataset.paths[i]) for i in requested[~decoded].tolist()]
         keep += requested[decoded].tolist()
         logps.append(logp[decoded])

@@ -102,14 +102,16 @@ def prepare_classifier(model: ModelLike, inputs: ImagesLike, arch: Optional[str]
 
 
 def infer(model: VisionTransformer, dataset: ImageDataset, batch_size: int, workers: Optional[int],
-          device: torch.device, precision: str, tta: bool, progress: Optional[ProgressFn]
-          ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(requested indices, decoded, log-probabilities) per batch, in dataset order.
+          device: torch.device, precision: str, tta: bool, progress: Optional[ProgressFn],
+          threads: Optional[int] = None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(requested indices, decoded, log-probabilities) per batch, in dataset order; torch runs on `threads`
+    (None: build_loader's choice).
 
     `decoded` is False where the requested image failed to decode and another one was used in its place: callers
     drop those rows (see data.loaders.requested_batches).
     """
-    loader = build_loader(dataset, batch_size, train=False, workers=workers, device_type=device.type)
+    loader = build_loader(dataset, batch_size, train=False, workers=workers, threads=threads,
+                          device_type=device.type)
     was_training = model.training
     model.to(device).eval()
     done = 0

@@ -26,6 +26,7 @@ from .inference import ImagesLike, ModelLike, ProgressFn, infer, label_names, pr
 DECODE_ERROR = "could not be decoded (truncated or corrupt image)"
 FORMATS = ("csv", "jsonl")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+REPR_CLASSES = 5  # class names a Predictions' repr shows
 
 
 @dataclass
@@ -48,7 +49,9 @@ class Prediction:
 
 
 class Predictions(Iterator[Prediction]):
-    """The iterator `predict` returns: Predictions in sorted path order, as batches complete.
+    """What `predict` returns: an iterator of Prediction rows (`.path`, `.labels` and `.probs` most probable first,
+    `.label` the top one, `.error` for a file that could not be read), one per file in sorted path order, as
+    batches complete. It can be iterated once: `list(predictions)` keeps the rows.
 
     `total` is the number of files, `top_k` the number of labels per row, `classes` the model's class names.
     """
@@ -61,6 +64,11 @@ class Predictions(Iterator[Prediction]):
 
     def __next__(self) -> Prediction:
         return next(self._rows)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(self.classes[:REPR_CLASSES]) + (", ..." if len(self.classes) > REPR_CLASSES else "")
+        return (f"Predictions({self.total} image(s), top-{self.top_k} of {len(self.classes)} classes: {shown}; "
+                f"iterate or list() it for Prediction rows)")
 
 
 def predict(
@@ -78,8 +86,10 @@ def predict(
     pretrained: bool = False,
     output: Union[str, os.PathLike, IO[str], None] = None,
     fmt: Optional[str] = None,
+    threads: Optional[int] = None,
 ) -> Predictions:
-    """Top-k labels for image files, folders (recursive) or globs; yields Predictions as batches complete.
+    """Top-k labels for image files, folders (recursive) or globs: a Predictions iterator of Prediction rows
+    (path, labels, probs, label, error), yielded as batches complete.
 
     Rows come in sorted path order. A file that is not a readable image, or fails to decode, gives a Prediction
     with `error` set (never an exception). Model and inputs are checked now; images are read while iterating.
@@ -102,7 +112,8 @@ def predict(
     except VitftError:  # not one readable image: every row is an error
         rows = iter([Prediction(str(p), [], [], unreadable_reason(p)) for p in paths])
     else:
-        rows = _predict_rows(net, dataset, paths, classes, k, tta, batch_size, workers, dev, precision, progress)
+        rows = _predict_rows(net, dataset, paths, classes, k, tta, batch_size, workers, dev, precision, progress,
+                             threads)
     predictions = Predictions(rows, len(paths), k, classes)
     if output is None:
         return predictions
@@ -130,12 +141,13 @@ def prediction_format(fmt: Optional[str], output: Union[str, os.PathLike, IO[str
 
 def _predict_rows(net: VisionTransformer, dataset: ImageDataset, paths: list[Path], classes: list[str], k: int,
                   tta: bool, batch_size: int, workers: Optional[int], device: torch.device, precision: str,
-                  progress: Optional[ProgressFn]) -> Iterator[Prediction]:
+                  progress: Optional[ProgressFn], threads: Optional[int]) -> Iterator[Prediction]:
     position = {p: i for i, p in enumerate(paths)}
     ready = {position[p]: Prediction(str(p), [], [], unreadable_reason(p)) for p in dataset.unreadable}
     next_row = done = 0
     try:
-        for requested, decoded, logp in infer(net, dataset, batch_size, workers, device, precision, tta, progress):
+        for requested, decoded, logp in infer(net, dataset, batch_size, workers, device, precision, tta,
+                                              progress, threads):
             probs, idx = logp.exp().topk(k, dim=1)
             for r, ok, p, j in zip(requested.tolist(), decoded.tolist(), probs.tolist(), idx.tolist()):
                 path = dataset.paths[r]

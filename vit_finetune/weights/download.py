@@ -14,6 +14,9 @@ log = logging.getLogger("vitft")
 # within their sum
 HUB_LOOKUP_TIMEOUT = 3.0
 HUB_CONNECT_TIMEOUT = 3.0
+# how a caller names local weights instead, in Python's terms and the command line's (this layer cannot tell which)
+LOCAL_WEIGHTS = ("pretrained=PATH in Python, --pretrained PATH on the command line, or the PATH as the model to "
+                 "evaluate, predict or explain")
 
 
 def hub_unreachable() -> Optional[str]:
@@ -82,6 +85,6 @@ def hub_download(repo_id: str, filenames: tuple[str, ...], revision: Optional[st
                else f"the Hub at {constants.ENDPOINT} cannot be reached ({unreachable})")
         raise VitftError(
             f"{repo_id}/{' or '.join(missing)} is not in the local HF cache and {why}; download it once with "
-            "network access, pass --pretrained PATH (a local weights file or model folder)"
+            f"network access, give a local weights file or model folder in its place ({LOCAL_WEIGHTS})"
             + ("" if offline else ", or set HF_HUB_OFFLINE=1 to use the local cache only")) from not_cached
     raise VitftError(f"Hub repo {repo_id!r} has none of {', '.join(missing)}")
