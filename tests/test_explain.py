@@ -4,6 +4,9 @@ The maps are checked on models whose attention is rigged through the real Attent
 zeroed except that every query is a constant vector along feature 0 and every key reads feature 0 of the normed
 token, and the position embedding gives one patch +50 and every other token -10 on feature 0. After LayerNorm that
 patch's key stands out by ~11 standard units, so every query of every head attends to it (checked, > 0.99).
+That patch is an attention sink by construction (every row parks all its attention there), so the maps of the
+rigged model are checked with sinks kept (drop_sinks=False); the leaving out of sinks is checked on a model with a
+sink in its first block and an object that only the class token looks at afterwards.
 Rigged attention is the same in every layer, so the formulas that combine layers are checked on a "scrambled"
 model instead (large random q and k projections), against rollout and gradcam computed by hand.
 """
@@ -23,6 +26,7 @@ from PIL import Image
 
 from vit_finetune import create_model, evaluate, explain, save_pretrained
 from vit_finetune.errors import VitftError
+from vit_finetune.tasks import explain as explain_module
 from vit_finetune.tasks.explain import METHODS, attention_maps, capture_attention, crop_box
 
 LABELS = ["ant", "bee", "cat", "dog"]
@@ -90,10 +94,10 @@ def test_rigged_attention_is_what_the_model_computes(kind):
 def test_map_peaks_at_the_attended_patch(kind, method, tmp_path):
     model = rigged(**MODELS[kind])
     images = [save_image(tmp_path / "same.png", (32, 48)), save_image(tmp_path / "double.png", (64, 96), 1)]
-    results = explain(model, images, method=method, device="cpu")
+    results = explain(model, images, method=method, device="cpu", drop_sinks=False)
     row, col = divmod(PATCH, GRID_HW[1])
     for r in results:
-        assert r.grid.shape == GRID_HW
+        assert r.grid.shape == GRID_HW and r.left_out == []
         assert np.unravel_index(r.grid.argmax(), GRID_HW) == (row, col)
         scale = r.heatmap.shape[0] // 32  # 8 px patches, image at 1x or 2x the input
         y, x = np.unravel_index(r.heatmap.argmax(), r.heatmap.shape)
@@ -114,9 +118,9 @@ def test_gradcam_peaks_at_the_attended_patch_for_each_class_it_explains(kind):
     x = torch.randn(2, 3, 32, 48)
     explained = 0
     for target in range(len(LABELS)):
-        _, grids, _, targets = attention_maps(model, x, "gradcam", target)
-        assert targets.tolist() == [target, target]
-        for grid in grids:
+        maps = attention_maps(model, x, "gradcam", target)
+        assert maps.targets.tolist() == [target, target]
+        for grid in maps.grids:
             if grid.max() > 1e-6:
                 explained += 1
                 assert int(grid.flatten().argmax()) == PATCH
@@ -175,8 +179,9 @@ def test_rollout_and_gradcam_are_the_published_formulas(kind):
         relevance = relevance + (grad * attn).clamp(min=0).mean(dim=1) @ relevance
 
     for method, expected in (("rollout", readout(rollout, model)), ("gradcam", readout(relevance - eye, model))):
-        _, grids, _, _ = attention_maps(model, x, method, target)
-        got = grids.reshape(len(x), -1).double()
+        maps = attention_maps(model, x, method, target)
+        assert maps.left_out == [[], []]  # no sink in these layers: the plain formulas
+        got = maps.grids.reshape(len(x), -1).double()
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6 * float(expected.abs().max()), msg=method)
 
 
@@ -330,3 +335,108 @@ def test_explain_writes_names_that_are_not_utf8(tmp_path):
     page = (out / "index.html").read_text(encoding="utf-8")
     assert r"photo \xff.png" in page and r"cl\xe9 a" in page
     assert len(list(out.glob("*.png"))) == 1
+
+
+SINK, OBJECT = 2, 15  # row 0, column 2 and row 2, column 3 of the grid
+
+
+def sink_and_object():
+    """A 3-block tiny model with an attention sink in block 0 (every query of every head attends to patch SINK, as
+    in `rigged`) and an object the class token alone attends to in blocks 1-2 (its query reads feature 1, which only
+    the class token has large; every key reads feature 2, which only patch OBJECT has large; weights 1, not 10). The
+    other rows of blocks 1-2 spread about evenly over the tokens whose feature 2 is low (no patch takes over 7%)."""
+    model = tiny(depth=3)
+    dim, prefix = model.embed_dim, model.num_prefix_tokens
+    with torch.no_grad():
+        for index, block in enumerate(model.blocks):
+            weight, bias, head_dim = block.attn.qkv.weight, block.attn.qkv.bias, block.attn.head_dim
+            weight[: 2 * dim] = 0.0
+            bias[: 2 * dim] = 0.0
+            for h in range(block.attn.num_heads):
+                if index == 0:
+                    bias[h * head_dim] = 10.0
+                    weight[dim + h * head_dim, 0] = 10.0
+                else:  # gentler: the other rows then spread evenly instead of picking one token by its content
+                    weight[h * head_dim, 1] = 1.0
+                    weight[dim + h * head_dim, 2] = 1.0
+        model.pos_embed[..., :3] = -10.0
+        model.pos_embed[0, prefix + SINK, 0] = 50.0
+        model.pos_embed[0, 0, 1] = 0.0
+        model.cls_token[..., 1] = 50.0
+        model.pos_embed[0, prefix + OBJECT, 2] = 50.0
+    model.pretrained_cfg["crop_pct"] = 1.0
+    return model
+
+
+def test_rollout_leaves_out_an_attention_sink_and_finds_what_the_class_token_looked_at(tmp_path, caplog,
+                                                                                        monkeypatch):
+    model = sink_and_object()
+    prefix, x = model.num_prefix_tokens, torch.randn(2, 3, 32, 48)
+    with capture_attention(model, lambda a: a.mean(dim=1)) as kept, torch.no_grad():
+        model(x)
+    assert kept[0][..., prefix + SINK].min() > 0.99  # the rig: everyone parks in the sink in block 0
+    for attn in kept[1:]:  # then the class token looks at the object; no patch takes a tenth of these layers
+        assert attn[:, 0, prefix + OBJECT].min() > 0.99
+        assert attn[..., prefix:].mean(dim=-2).max() < 0.1
+    plain = attention_maps(model, x, "rollout", drop_sinks=False)
+    assert plain.left_out == [[], []]
+    assert all(int(grid.argmax()) == SINK for grid in plain.grids)  # the defect: one blob at the sink
+
+    image = save_image(tmp_path / "x.png", (32, 48))
+    titles = []
+    draw = explain_module.explanation_figure
+    monkeypatch.setattr(explain_module, "explanation_figure", lambda *a: titles.append(a[3]) or draw(*a))
+    with caplog.at_level(logging.INFO, logger="vitft"):
+        (result,) = explain(model, image, device="cpu", output=tmp_path / "out")
+    assert titles == ["rollout (1 attention sink(s) left out)"] and result.figure.is_file()
+    assert result.left_out == [divmod(SINK, GRID_HW[1])]
+    assert result.grid.flatten()[SINK] == 0.0
+    assert int(result.grid.argmax()) == OBJECT
+    assert "left out attention sinks" in caplog.text and "in 1 of 1 image(s)" in caplog.text
+    for method in ("attention", "gradcam"):  # rollout only: the others read no sink-laden product of layers
+        assert explain(model, image, method=method, device="cpu")[0].left_out == []
+
+
+def test_clean_and_register_models_leave_nothing_out():
+    """Models without a sink give the plain rollout exactly; a model with registers keeps even a rigged sink."""
+    x = torch.randn(2, 3, 32, 48)
+    for model in (tiny(), scrambled(), scrambled(global_pool="avg", class_token=False)):
+        default, plain = attention_maps(model, x, "rollout"), attention_maps(model, x, "rollout", drop_sinks=False)
+        assert default.left_out == [[], []]
+        assert torch.equal(default.grids, plain.grids)
+    registers = attention_maps(rigged(**MODELS["token+registers"]), x, "rollout")
+    assert registers.left_out == [[], []] and all(int(grid.argmax()) == PATCH for grid in registers.grids)
+
+
+def test_cli_keep_sinks(tmp_path):
+    folder = tmp_path / "model"
+    save_pretrained(sink_and_object(), folder)
+    image = save_image(tmp_path / "x.png", (32, 48))
+    for flags, left_out in (((), True), (("--keep-sinks",), False)):
+        result = invoke("explain", folder, image, "--output", tmp_path / "out", "--device", "cpu", *flags)
+        assert result.exit_code == 0, result.output
+        assert ("left out attention sinks" in result.output) is left_out
+
+
+@pytest.mark.slow
+def test_real_dinov2_rollout_blob_was_a_first_block_sink(dinov2_dir, intel_dir):
+    """The issue's blobs, on the real weights at 112 px (as the Intel recipe runs): no token has a high norm (not
+    Darcet et al.'s artifacts), but in block 0 one patch takes over a tenth of all attention; plain rollout peaks on
+    it, and the default leaves it out and spreads the map (12 photos, two per class)."""
+    model = create_model(f"local-dir:{dinov2_dir}", pretrained=True, img_size=112, num_classes=6).eval()
+    images = [path for folder in sorted(intel_dir.iterdir()) for path in sorted(folder.glob("*.jpg"))[:2]]
+    outputs = []
+    hooks = [block.register_forward_hook(lambda module, args, out: outputs.append(out)) for block in model.blocks]
+    plain = explain(model, images, device="cpu", precision="fp32", drop_sinks=False)
+    for hook in hooks:
+        hook.remove()
+    norms = torch.cat(outputs)[:, model.num_prefix_tokens:].norm(dim=-1)
+    assert float((norms / norms.median(dim=1, keepdim=True).values).max()) < 4  # no high-norm artifact tokens
+    fixed = explain(model, images, device="cpu", precision="fp32")
+    left_out = [r for r in fixed if r.left_out]
+    assert len(left_out) >= len(images) // 2
+    for before, after in zip(plain, fixed):
+        if after.left_out:
+            assert np.unravel_index(before.grid.argmax(), before.grid.shape) in after.left_out
+    peakiness = [np.median([r.grid.max() / np.median(r.grid) for r in results]) for results in (plain, fixed)]
+    assert peakiness[1] < peakiness[0] / 2

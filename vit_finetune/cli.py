@@ -331,6 +331,8 @@ def explain_cmd(
     batch_size: int = typer.Option(16, help="Images per batch."),
     device: str = typer.Option("auto", help=DEVICE_HELP),
     precision: str = typer.Option("auto", help=PRECISION_HELP),
+    keep_sinks: bool = typer.Option(False, "--keep-sinks", help="Rollout: keep the patches that take over a tenth "
+                                    "of a layer's attention (left out by default on models without registers)."),
 ):
     """Show where the model looked: a heat map over each image, with its top labels."""
     from .progress import ProgressBar
@@ -339,7 +341,7 @@ def explain_cmd(
     with ProgressBar("explaining", min_total=8) as bar:
         results = explain(model, images, method=method, target=target, output=output, top_k=top_k,
                           img_size=img_size, batch_size=batch_size, device=device, precision=precision, arch=arch,
-                          progress=bar, pretrained=pretrained)
+                          progress=bar, pretrained=pretrained, drop_sinks=False if keep_sinks else None)
     bad = sum(r.error is not None for r in results)
     if bad == len(results):
         raise VitftError(f"none of the {bad} file(s) could be read as an image: no heat maps (index.html lists "
