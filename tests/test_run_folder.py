@@ -28,8 +28,27 @@ def test_a_new_run_replaces_only_a_run_folder_and_moves_it_aside(tmp_path):
     assert folder.is_empty() and folder.train_config() == {}
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("mine")
-    with pytest.raises(VitftError, match="is not a vitft run folder: --overwrite only replaces run folders"):
-        RunFolder(tmp_path / "notes").check_new(overwrite=True)
+    for overwrite in (True, False):  # no advice that cannot work: neither --overwrite nor --resume takes it
+        with pytest.raises(VitftError, match=r"notes already exists and is not a vitft run folder \(neither "
+                                             r"--overwrite nor --resume applies to it\); pick another --output"):
+            RunFolder(tmp_path / "notes").check_new(overwrite=overwrite)
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+
+
+def test_a_run_is_never_written_into_a_file_or_inside_its_data(tmp_path):
+    (tmp_path / "afile.txt").write_text("x")
+    for overwrite in (True, False):
+        with pytest.raises(VitftError, match=r"--output .*afile.txt is a file, not a folder; pick another --output"):
+            RunFolder(tmp_path / "afile.txt").check_new(overwrite)
+    data = tmp_path / "data"
+    (data / "cats").mkdir(parents=True)
+    for inside in (data / "myrun", data, data / "cats" / "deeper"):
+        with pytest.raises(VitftError, match=r"is inside --data .*: the run's files would be read as images"):
+            RunFolder(inside).check_new(False, data)
+    RunFolder(tmp_path / "elsewhere").check_new(False, data)
+    (tmp_path / "link").symlink_to(data)  # the same folder by another name
+    with pytest.raises(VitftError, match="is inside --data"):
+        RunFolder(tmp_path / "link" / "run").check_new(False, data)
 
 
 def test_metrics_and_options_round_trip(tmp_path):

@@ -256,7 +256,7 @@ def test_cli_errors_are_one_line(small_images, tiny_model_dir, tmp_path, run):
         (["finetune", "--data", str(small_images), "--pretrained", "vit_bse_patch16_224"], "did you mean"),
         (["finetune", "--data", str(small_images), "--model-kwargs", "patch_size"], "KEY=VALUE"),
         (["finetune", "--data", str(small_images), "--pretrained", str(tiny_model_dir), "--output", str(small_images),
-          "--overwrite"], "not a vitft run folder"),
+          "--overwrite"], "is inside --data"),
         (["finetune", "--resume", str(run[0]), "--recipe", str(REPO / "recipes" / "intel_cpu.yaml")], "--recipe"),
     ]
     for args, needle in cases:

@@ -92,16 +92,22 @@ class RunFolder:
     def is_empty(self) -> bool:
         return not self.path.exists() or not any(self.path.iterdir())
 
-    def check_new(self, overwrite: bool) -> None:
-        """A new run may write here: the folder is new or empty, or --overwrite replaces a run folder."""
+    def check_new(self, overwrite: bool, data: Optional[PathLike] = None) -> None:
+        """A new run may write here: the folder is new or empty, or --overwrite replaces a run folder; never a file,
+        and never inside the data (its pictures would become a class of the next scan)."""
+        if self.path.exists() and not self.path.is_dir():
+            raise VitftError(f"--output {self.path} is a file, not a folder; pick another --output")
+        if data and _inside(self.path, Path(data)):
+            raise VitftError(f"--output {self.path} is inside --data {data}: the run's files would be read as "
+                             "images of a class; pick an --output outside the data folder")
         if self.is_empty():
             return
+        if not self.is_run():
+            raise VitftError(f"{self.path} already exists and is not a vitft run folder (neither --overwrite nor "
+                             "--resume applies to it); pick another --output")
         if not overwrite:
             raise VitftError(f"run folder {self.path} already exists; pass --overwrite to replace it, "
                              f"or --resume {self.path} to continue it")
-        if not self.is_run():
-            raise VitftError(f"{self.path} is not a vitft run folder: --overwrite only replaces run folders; "
-                             "pick another --output")
 
     def start(self) -> Optional[Path]:
         """Create the folder of a run that is ready to start; a run it replaces (checked by check_new) is moved
@@ -198,6 +204,12 @@ class RunFolder:
     # -- report.json
     def write_report(self, text: str) -> None:
         atomic_write(self.report_file, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether `path` is `folder` or below it (symbolic links followed)."""
+    path, folder = path.expanduser().resolve(), folder.expanduser().resolve()
+    return path == folder or folder in path.parents
 
 
 def _read_json(path: Path) -> Optional[dict]:

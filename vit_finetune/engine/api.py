@@ -45,7 +45,7 @@ def finetune(config: TrainConfig | dict | None = None, resume: Optional[str | Pa
         cfg = new_run_config(config, recipe, options)
         folder = RunFolder(cfg.output if cfg.output else default_run_dir(cfg))
         if is_main_process():  # rank 0 alone checks and replaces the folder
-            folder.check_new(cfg.overwrite)
+            folder.check_new(cfg.overwrite, cfg.data)
     check_config(cfg)
     if cfg.push_to_hub:
         from ..hub.push import resolve_token
