@@ -179,3 +179,15 @@ def test_run_summary_has_no_empty_header_and_counts_epochs(capsys, tmp_path):
     assert "━" not in err and "┃" not in err  # no header row (an empty one before)
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines[0].split()[:2] == ["run", "folder"]
+
+
+def test_paths_in_printed_commands_paste_back_into_a_shell():
+    """The `next: vitft evaluate RUN` hint: a name with bytes that are not UTF-8 (or quotes, spaces) pastes into bash
+    as the same bytes, never as a Python surrogate escape."""
+    from vit_finetune.cli import _quoted
+
+    for raw in (b"/tmp/run \xff \xc3\xbc", b"/tmp/it's a run", b"plain"):
+        word = _quoted(os.fsdecode(raw))
+        assert "\\udc" not in word
+        echoed = subprocess.run(["bash", "-c", f"printf %s {word}"], capture_output=True, check=True).stdout
+        assert echoed == raw, word

@@ -228,9 +228,15 @@ def _printable(path) -> str:
 
 
 def _quoted(path) -> str:
+    """`path` as a shell word to paste: quoted, and bytes that are not UTF-8 in bash's $'\\xNN' form."""
+    import os
     import shlex
 
-    return shlex.quote(str(path))
+    text = str(path)
+    if _printable(text) == text:
+        return shlex.quote(text)
+    escaped = "".join(chr(b) if 32 <= b < 127 and chr(b) not in "'\\" else f"\\x{b:02x}" for b in os.fsencode(text))
+    return f"$'{escaped}'"
 
 
 
