@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import os
 import subprocess
 import sys
 from pathlib import Path
