@@ -357,7 +357,8 @@ def test_ema_mixup_accumulation_bf16_and_unfreeze_work_together(small_images, ti
     assert not torch.equal(steps[0][2]["head.weight"], start["head.weight"])
     assert (steps[-1][2][backbone] - start[backbone]).abs().max() > 1e-4  # thawed
     lrs = [lr for _, lr, *_ in steps]
-    assert lrs[0] > lrs[1] > lrs[2] and lrs[3] == pytest.approx(lrs[0]) and lrs[3] > lrs[4]  # a cosine each phase
+    assert lrs[0] > lrs[1] > lrs[2] and lrs[3] > lrs[4]  # a cosine each phase, from the phase's own LR
+    assert lrs[0] == pytest.approx(trainer.head_lr) and lrs[3] == pytest.approx(trainer.lr)
     # the fine-tuning epoch: 3 steps x 2 micro-batches, bf16 logits, soft targets that mix two images' labels
     assert [dtype for dtype, _ in losses] == [torch.bfloat16] * 6
     targets = torch.cat([t for _, t in losses])
