@@ -547,6 +547,7 @@ def test_max_steps_flag_and_warmup_that_covers_the_run(small_images, tiny_model_
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "would cover most of this 1-epoch run" in result.output and "warmup 0.2 (capped from 1)" in result.output
+    assert "warming up for a fifth of it instead: 0.2 epochs (1 step)" in result.output
     assert json.loads((out / "train_config.json").read_text())["max_steps_per_epoch"] == 5
     assert RunFolder(out).read_checkpoint()["global_step"] == 5
 

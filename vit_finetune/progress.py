@@ -21,11 +21,11 @@ class ProgressBar:
 
     Log lines written to stderr meanwhile appear above the bars; stdout (predict's rows) is left alone. When stderr
     is not a terminal, each task logs "description: done/total unit, rate/s, time left" once `interval` seconds
-    have passed since its start or its last line (`clock` is for tests).
+    (LINE_INTERVAL_S by default) have passed since its start or its last line (`clock` is for tests).
     """
 
     def __init__(self, description: str = "", enabled: bool = True, min_total: int = 0,
-                 interval: float = LINE_INTERVAL_S, clock: Callable[[], float] = time.monotonic):
+                 interval: Optional[float] = None, clock: Callable[[], float] = time.monotonic):
         console = Console(stderr=True)
         self.description, self.min_total = description, min_total
         self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -33,7 +33,8 @@ class ProgressBar:
                                   disable=not (enabled and console.is_terminal), transient=True,
                                   redirect_stdout=False, redirect_stderr=True)
         self._lines = enabled and not console.is_terminal
-        self.interval, self.clock = interval, clock
+        self.interval = LINE_INTERVAL_S if interval is None else interval
+        self.clock = clock
         self._timing: dict[TaskID, tuple[float, float, float, str]] = {}  # start, first completed, last line, unit
         self._task: TaskID | None = None
 
