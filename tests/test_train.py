@@ -167,7 +167,8 @@ def test_sigint_mid_epoch_then_resume_matches_an_uninterrupted_run(two_classes, 
 def _torchrun(*args: str) -> subprocess.CompletedProcess:
     """2 processes on gloo; --standalone picks a free port (a fixed one collides with parallel runs)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "vit_finetune", "finetune", *args, "--workers", "0", "--device", "cpu", "--quiet"]
+           "-m", "vit_finetune", "finetune", *args, "--workers", "0", "--device", "cpu", "--quiet",
+           "--precision", "fp32"]  # the same numbers as the one-process run they are compared with
     return subprocess.run(cmd, env=_cli_env(), capture_output=True, text=True, timeout=300)
 
 
@@ -202,7 +203,7 @@ def test_two_processes_end_with_the_weights_of_one_with_twice_the_batch(two_clas
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"data: {two_classes}\npretrained: {tiny_model_dir}\nval_split: 0.2\nepochs: 2\nopt: sgd\n"
                       f"lr: 10\ndrop_path: 0\nwarmup_epochs: 0\naccum_steps: {accum}\nfreeze_backbone: {head_phase}\n"
-                      "seed: 1\nworkers: 0\ndevice: cpu\nquiet: true\n")
+                      "seed: 1\nworkers: 0\ndevice: cpu\nprecision: fp32\nquiet: true\n")
     proc = _torchrun("--recipe", str(recipe), "--batch-size", str(batch), "--output", str(tmp_path / "two"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     finetune(load_recipe(recipe), batch_size=2 * batch, output=str(tmp_path / "one"))

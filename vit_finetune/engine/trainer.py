@@ -110,9 +110,9 @@ class Trainer:
         crop_pct = preprocessing(pcfg).crop_pct
         self.train_set = ImageDataset(self.splits.train, train_tf, cache=cfg.cache, img_size=self.img_size,
                                       crop_pct=crop_pct, name="train")
-        if progress is not None and self.ddp.main:
-            self.train_set.fill_cache(progress.counter("decoding the training images (--cache)", " images"),
-                                      self.interrupt_requested)
+        show = progress.counter("decoding the training images (--cache)", " images") \
+            if progress is not None and self.ddp.main else None
+        self.train_set.fill_cache(show, self.interrupt_requested)  # before build_loader, which would fill it unpolled
         # each rank evaluates its own slice of the validation set, so nothing is counted twice; a rank left
         # without images (fewer than processes) validates nothing and adds zeros to the sums. Never from the
         # cache: validation decodes each original as `evaluate` does, so that the two agree exactly
