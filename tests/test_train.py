@@ -358,7 +358,8 @@ def test_ema_mixup_accumulation_bf16_and_unfreeze_work_together(small_images, ti
     assert not torch.equal(steps[0][2]["head.weight"], start["head.weight"])
     assert (steps[-1][2][backbone] - start[backbone]).abs().max() > 1e-4  # thawed
     lrs = [lr for _, lr, *_ in steps]
-    assert lrs[0] > lrs[1] > lrs[2] and lrs[3] == pytest.approx(lrs[0]) and lrs[3] > lrs[4]  # a cosine each phase
+    assert lrs[0] > lrs[1] > lrs[2] and lrs[3] > lrs[4]  # a cosine each phase, from the phase's own LR
+    assert lrs[0] == pytest.approx(trainer.head_lr) and lrs[3] == pytest.approx(trainer.lr)
     # the fine-tuning epoch: 3 steps x 2 micro-batches, bf16 logits, soft targets that mix two images' labels
     assert [dtype for dtype, _ in losses] == [torch.bfloat16] * 6
     targets = torch.cat([t for _, t in losses])
@@ -547,6 +548,7 @@ def test_max_steps_flag_and_warmup_that_covers_the_run(small_images, tiny_model_
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "would cover most of this 1-epoch run" in result.output and "warmup 0.2 (capped from 1)" in result.output
+    assert "warming up for a fifth of it instead: 0.2 epochs (1 step)" in result.output
     assert json.loads((out / "train_config.json").read_text())["max_steps_per_epoch"] == 5
     assert RunFolder(out).read_checkpoint()["global_step"] == 5
 

@@ -78,8 +78,10 @@ class TrainConfig:
     feature_views: int = option(1, panel=OPTIMISATION, help="With --freeze-backbone: compute the pooled features "
                                 "once, for N views of each image (1: un-augmented; 0: recompute every epoch), and "
                                 "train the head on them.")
-    head_lr: Optional[float] = option(None, panel=OPTIMISATION, when_none="--lr",
-                                      help="Base learning rate while the backbone is frozen.")
+    head_lr: Optional[float] = option(None, panel=OPTIMISATION, when_none="2.5e-2 (a fresh linear head on frozen "
+                                      "features needs far more than fine-tuning's --lr)",
+                                      help="Base learning rate per 512 images while the backbone is frozen, scaled "
+                                      "by the effective batch as --lr is.")
     max_steps_per_epoch: Optional[int] = option(None, panel=OPTIMISATION, when_none="no cap", hyperparameter=False,
                                                 help="Cap the optimizer steps per epoch (quick looks, smoke tests).")
     patience: Optional[int] = option(None, panel=OPTIMISATION, when_none="never stop early", metavar="EPOCHS",

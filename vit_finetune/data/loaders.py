@@ -114,11 +114,14 @@ class ImageDataset(Dataset):
         self.failed[i] = True
         log.debug("could not decode %s: %s", self.paths[i], error)
 
-    def fill_cache(self, progress: Callable[[int, int], None] | None = None) -> None:
+    def fill_cache(self, progress: Callable[[int, int], None] | None = None,
+                   should_stop: Callable[[], bool] | None = None) -> None:
         """Decode every image once into one buffer (threads; progress(done, total)).
 
         Call it before DataLoader workers start (build_loader does): forked workers then share the buffer
         copy-on-write (it is only read), and torch moves it to shared memory for spawned ones, so RAM holds one copy.
+        When should_stop() turns true (a signal: the run is ending) the fill is abandoned and the images are
+        decoded from their files for what is left of the run.
         """
         if not self.cache or self._cache is not None:
             return
@@ -137,6 +140,10 @@ class ImageDataset(Dataset):
 
         with ThreadPoolExecutor(os.cpu_count()) as pool:
             for done, _ in enumerate(pool.map(fill, range(len(self))), 1):
+                if should_stop is not None and should_stop():
+                    pool.shutdown(cancel_futures=True)  # the images being decoded finish; the rest are dropped
+                    self.cache = False
+                    return
                 if progress:
                     progress(done, len(self))
         self._cache, self._offsets, self._shapes = cache, offsets, shapes
@@ -200,6 +207,7 @@ def build_loader(
     distributed: bool = False,
     seed: int = 0,
     drop_last: bool | None = None,
+    indices: Sequence[int] | None = None,
 ) -> DataLoader:
     """Batches for training (shuffled, seeded, full batches only) or evaluation (in order, all samples).
 
@@ -207,6 +215,7 @@ def build_loader(
     call loader.sampler.set_epoch(epoch) every epoch to reshuffle. workers=None chooses the workers with torch's
     threads (runtime.fit_cpu_threads; `threads`, --threads, fixes torch's); `loader.cpu_plan` says what was chosen.
     torch runs with the plan's threads only while the loader is iterated: its previous count comes back after.
+    `indices` (evaluation, one process): only those images, in that order.
     """
     processes = torch.distributed.get_world_size() if distributed else 1
     plan = fit_cpu_threads(torch.device(device_type), workers, processes, *_work_per_image(dataset, train),
@@ -215,7 +224,11 @@ def build_loader(
     if isinstance(dataset, ImageDataset):
         dataset.fill_cache()  # before the workers fork, so they share it
     _seed_transform(dataset, seed)  # workers reseed their copy in _init_worker
-    if distributed:
+    if indices is not None:
+        if train or distributed:
+            raise ValueError("indices are for an evaluation loader in one process")
+        sampler = list(indices)
+    elif distributed:
         sampler = DistributedSampler(dataset, shuffle=train, seed=seed)
     else:  # the shuffle gets its own generator, so an epoch's order depends on the epoch's seed alone (resume)
         sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(seed)) if train else None

@@ -14,6 +14,7 @@ from ..progress import ProgressBar
 from ..run_folder import RunFolder
 from .callbacks import trackers
 from .distributed import is_main_process, leave
+from .loop import StopFlag
 from .model_setup import default_pretrained
 from .trainer import RunResult, Trainer
 
@@ -51,23 +52,25 @@ def finetune(config: TrainConfig | dict | None = None, resume: Optional[str | Pa
         from ..hub.push import resolve_token
 
         resolve_token()  # no token: fail now, not after hours of training
-    trainer = Trainer(cfg, folder.path, state)
-    replaced = None
-    if trainer.ddp.main:
-        replaced = folder.start() if state is None else None
-        folder.write_train_config(cfg.to_dict())
-        for line in trainer.describe():
-            log.info(line)
-        if state is not None:
-            log.info("resuming %s at epoch %d, step %d", folder.path, trainer.state.epoch + 1,
-                     trainer.state.step_in_epoch)
-    try:
-        with ProgressBar(enabled=not cfg.quiet and trainer.ddp.main) as progress:
+    # the signal handler and the progress bar come first: a signal while the data is scanned or cached stops the
+    # run too (checkpointed at step 0), and a long cache fill shows its progress
+    with StopFlag() as stop_flag, ProgressBar(enabled=not cfg.quiet and is_main_process()) as progress:
+        trainer = Trainer(cfg, folder.path, state, stop_flag, progress)
+        replaced = None
+        if trainer.ddp.main:
+            replaced = folder.start() if state is None else None
+            folder.write_train_config(cfg.to_dict())
+            for line in trainer.describe():
+                log.info(line)
+            if state is not None:
+                log.info("resuming %s at epoch %d, step %d", folder.path, trainer.state.epoch + 1,
+                         trainer.state.step_in_epoch)
+        try:
             result = trainer.run(progress)
-    except BaseException:
-        if replaced is not None:
-            log.warning("the run this one was replacing is kept in %s", replaced)
-        raise
+        except BaseException:
+            if replaced is not None:
+                log.warning("the run this one was replacing is kept in %s", replaced)
+            raise
     if replaced is not None:
         shutil.rmtree(replaced)
     if trainer.ddp.main and not result.interrupted and cfg.push_to_hub:

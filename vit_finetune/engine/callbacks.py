@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Optional
 import torch.nn as nn
 
 from ..errors import VitftError
+from ..progress import format_rate
 from ..run_folder import RunFolder
 from .loop import StepEnd
 
@@ -123,11 +124,12 @@ class Progress(Callback):
     def on_epoch_start(self, trainer):
         self.task = self.progress.add_task(f"epoch {trainer.state.epoch + 1}/{trainer.cfg.epochs}",
                                            total=trainer.steps_per_epoch, completed=trainer.state.step_in_epoch,
-                                           info="")
+                                           info="", unit=" steps")
 
     def on_step_end(self, trainer, step):
         rate = step.images / max(step.seconds, 1e-9) * trainer.ddp.world
-        self.progress.update(self.task, advance=1, info=f"loss {step.mean_loss:.4f} lr {step.lr:.2e} {rate:.0f} img/s")
+        info = f"loss {step.mean_loss:.4f} lr {step.lr:.2e} {format_rate(rate)} img/s"
+        self.progress.update(self.task, advance=1, info=info)
 
     def on_epoch_end(self, trainer, row, best):
         self._remove()
@@ -135,9 +137,9 @@ class Progress(Callback):
             return
         top5 = f" top-5 {100 * row['val_top5']:.1f}%" if row.get("val_top5") is not None else ""
         ema = " (EMA)" if row.get("ema") else ""
-        log.info("epoch %d/%d: train loss %.4f | val loss %.4f top-1 %.1f%%%s%s | %.0f img/s, %.0fs",
+        log.info("epoch %d/%d: train loss %.4f | val loss %.4f top-1 %.1f%%%s%s | %s img/s, %.0fs",
                  row["epoch"], trainer.cfg.epochs, row["train_loss"], row["val_loss"], 100 * row["val_top1"], top5,
-                 ema, row["images_per_s"], row["seconds"])
+                 ema, format_rate(row["images_per_s"]), row["seconds"])
 
     def on_run_end(self, trainer, status):
         self._remove()

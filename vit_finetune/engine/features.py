@@ -18,7 +18,7 @@ import torch.nn as nn
 from ..data.loaders import requested_batches
 from ..runtime import compute_context
 
-ProgressFn = Callable[[int, int], None]  # (batches done, total)
+ProgressFn = Callable[[int, int], None]  # (images done, total)
 
 
 @dataclass
@@ -57,8 +57,10 @@ class FeatureSet:
 
 @torch.inference_mode()
 def extract_features(model: nn.Module, loader, device: torch.device, precision: str, views: int = 1,
-                     progress: Optional[ProgressFn] = None) -> FeatureSet:
-    """Pool the backbone's output for every image of `loader`, `views` passes over it.
+                     progress: Optional[ProgressFn] = None,
+                     check_stop: Optional[Callable[[], None]] = None) -> FeatureSet:
+    """Pool the backbone's output for every image of `loader`, `views` passes over it. `check_stop` is called
+    between batches and raises to end the pass (a signal: the run checkpoints and stops).
 
     `loader` must not shuffle. It yields (images, labels) or, from an ImageDataset with return_index,
     (images, labels, used): an image that failed to decode was replaced by another (used is not the index
@@ -67,17 +69,19 @@ def extract_features(model: nn.Module, loader, device: torch.device, precision: 
     was_training = model.training
     model.eval()
     feats, labels, view_sizes = [], [], []
-    total, done = views * len(loader), 0
+    total, done = views * len(loader.sampler), 0
     try:
         for _ in range(views):
             rows = 0
             for images, targets, _, keep in requested_batches(loader):
+                if check_stop:
+                    check_stop()
                 with compute_context(device, precision):
                     pooled = model.pool(model.forward_features(images.to(device, non_blocking=True)))
                 feats.append(pooled.float().cpu()[keep])
                 labels.append(targets[keep])
                 rows += int(keep.sum())
-                done += 1
+                done += len(targets)
                 if progress:
                     progress(done, total)
             view_sizes.append(rows)

@@ -49,9 +49,14 @@ class StepEnd:
     lr: float  # the learning rate of the next step
 
 
+class Interrupted(Exception):
+    """A signal asked the run to stop in the middle of a pass that is not a training step (caching, features,
+    validation): the trainer checkpoints where the run is and stops."""
+
+
 @dataclass
 class EpochResult:
-    loss: float  # mean training loss (over all ranks, unless interrupted)
+    loss: float  # mean training loss (over all ranks, unless interrupted); nan when no batch was left to train
     images: int
     interrupted: bool
 
@@ -84,7 +89,8 @@ def run_steps(trainer: Trainer, steps: Steps) -> EpochResult:
         if state.step_in_epoch < trainer.steps_per_epoch and trainer.stop_requested():  # else: finish the epoch
             return EpochResult(loss_sum / max(seen, 1), seen, True)
     loss_sum, seen = all_sum([loss_sum, seen], trainer.ddp, trainer.device)
-    return EpochResult(loss_sum / max(seen, 1), int(seen), False)
+    # nan: a resume after an interrupted validation has no batch left, and its loss was not kept
+    return EpochResult(loss_sum / seen if seen else float("nan"), int(seen), False)
 
 
 def timed(batches: Iterable, clock: list[float]) -> Iterator:
@@ -101,7 +107,11 @@ def timed(batches: Iterable, clock: list[float]) -> Iterator:
 
 
 class StopFlag:
-    """SIGINT/SIGTERM ask the loop to checkpoint and stop at the next step, instead of dying mid-write."""
+    """SIGINT/SIGTERM ask the run to checkpoint and stop at the next step or batch, instead of dying mid-write.
+
+    Installed before the data is scanned; the long passes other than training steps (the decode cache, the
+    feature pass, validation) poll it between batches (Trainer.check_interrupt) and raise Interrupted.
+    """
 
     def __init__(self):
         self.stop = False

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from ..config import TrainConfig
 from ..data.loaders import build_loader, requested_batches
+from ..progress import format_rate
 from ..runtime import compute_context
 from .distributed import all_sum, average_gradients
 from .features import FeatureSet, extract_features
@@ -180,26 +181,46 @@ def image_logits(trainer: Trainer, model: nn.Module) -> Logits:
 
 
 def cache_features(trainer: Trainer, progress: ProgressBar) -> tuple[FeatureSet, Optional[FeatureSet]]:
-    """The frozen backbone's pooled features of this rank's training images and validation slice."""
+    """The frozen backbone's pooled features of this rank's training images (those the capped epochs use, with
+    --max-steps-per-epoch) and validation slice (all of it: validation stays a real evaluation)."""
     cfg, start = trainer.cfg, time.perf_counter()
     views = cfg.feature_views
     dataset = trainer.train_set.with_transform(trainer.eval_tf if views == 1 else trainer.train_tf,
                                                return_index=True)
+    subset = capped_feature_subset(trainer)
     loader = build_loader(dataset, cfg.batch_size, train=False, workers=cfg.workers, threads=cfg.threads,
-                          device_type=trainer.device.type, distributed=trainer.ddp.enabled, seed=cfg.seed)
-    task = progress.add_task("pooled features", total=views * len(loader) + len(trainer.val_loader), info="")
+                          device_type=trainer.device.type, distributed=trainer.ddp.enabled and subset is None,
+                          seed=cfg.seed, indices=subset)
+    train_images = views * len(loader.sampler)
+    val_images = len(trainer.val_set) if trainer.val_set is not None else 0
+    task = progress.add_task("pooled features", total=train_images + val_images, info="", unit=" images")
     train = extract_features(trainer.model, loader, trainer.device, trainer.precision, views,
-                             lambda done, _: progress.update(task, completed=done))
+                             lambda done, _: progress.update(task, completed=done), trainer.check_interrupt)
     val = None
     if trainer.val_set is not None:
         val = extract_features(trainer.model, trainer.val_loader, trainer.device, trainer.precision, 1,
-                               lambda done, _: progress.update(task, completed=views * len(loader) + done))
+                               lambda done, _: progress.update(task, completed=train_images + done),
+                               trainer.check_interrupt)
     progress.remove_task(task)
     seconds = time.perf_counter() - start
     images = len(train) + (len(val) if val is not None else 0)
     counts = all_sum([images, seconds], trainer.ddp, trainer.device)
     if trainer.ddp.main:
+        if subset is not None:
+            log.info("features for %d of %d training images (--max-steps-per-epoch %d: what its steps use)",
+                     len(subset) * trainer.ddp.world, len(trainer.train_set), cfg.max_steps_per_epoch)
         log.info("pooled features of %d images (%d view(s) of the training images, and the validation ones) "
-                 "computed once in %.0fs (%.0f img/s); the head trains on them", counts[0], views, seconds,
-                 counts[0] / max(seconds, 1e-9))
+                 "computed once in %.0fs (%s img/s); the head trains on them", counts[0], views, seconds,
+                 format_rate(counts[0] / max(seconds, 1e-9)))
     return train, val
+
+
+def capped_feature_subset(trainer: Trainer) -> Optional[list[int]]:
+    """This rank's share of a seeded subset of the training images, as many as one capped epoch takes (each head
+    epoch then draws all of them, shuffled); None when --max-steps-per-epoch leaves every image in use."""
+    cfg, ddp = trainer.cfg, trainer.ddp
+    needed = trainer.steps_per_epoch * cfg.batch_size * cfg.accum_steps * ddp.world
+    if not cfg.max_steps_per_epoch or needed >= len(trainer.train_set):
+        return None
+    chosen = torch.randperm(len(trainer.train_set), generator=torch.Generator().manual_seed(cfg.seed))[:needed]
+    return sorted(chosen[ddp.rank::ddp.world].tolist())

@@ -10,6 +10,8 @@ import torch
 from ..config import TrainConfig
 
 log = logging.getLogger("vitft")
+HEAD_LR = 2.5e-2  # per lr_base_size images: the measured starting point of a linear head on frozen features
+FEW_STEPS_PER_HEAD_EPOCH, FEW_STEPS = 10, 50  # fewer optimizer steps than these: the run says it may not learn
 
 
 class PhasedSchedule:
@@ -37,7 +39,7 @@ def build_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig, lr: float
     from timm.scheduler import create_scheduler_v2
 
     scale = effective_batch / cfg.lr_base_size
-    head_lr = cfg.head_lr * scale if cfg.head_lr is not None else lr
+    head_lr = (cfg.head_lr if cfg.head_lr is not None else HEAD_LR) * scale
     phases = []  # (first epoch, epochs, lr, warmup epochs)
     if 0 < head_epochs < cfg.epochs:
         phases.append((0, head_epochs, head_lr, 0))
@@ -49,9 +51,11 @@ def build_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig, lr: float
         if main:
             what = f"the {epochs} epochs after the head phase" if first else f"this {epochs}-epoch run"
             log.warning("--warmup-epochs %d would cover most of %s (ending it at min_lr, with no phase at full "
-                        "LR); warming up for a fifth of it instead: %.3g epoch(s)", cfg.warmup_epochs, what,
-                        warmup_epochs)
+                        "LR); warming up for a fifth of it instead: %s", cfg.warmup_epochs, what,
+                        epochs_and_steps(warmup_epochs, steps_per_epoch))
     phases.append((first, epochs, head_lr if head_epochs == cfg.epochs else lr, warmup_epochs))
+    if main:
+        warn_if_few_steps(cfg, head_epochs, steps_per_epoch)
     schedulers = []
     for first_epoch, epochs, phase_lr, warmup in phases:
         for group in optimizer.param_groups:
@@ -63,3 +67,21 @@ def build_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig, lr: float
     schedule = PhasedSchedule(schedulers)
     schedule.step_update(0)
     return Schedule(schedule, head_lr, warmup_epochs)
+
+
+def epochs_and_steps(epochs: float, steps_per_epoch: int) -> str:
+    """'0.2 epochs (3 steps)': a short run's warmup is a fraction of an epoch, not '0 epoch(s)'."""
+    steps = round(epochs * steps_per_epoch)
+    return f"{epochs:.3g} epoch{'s' * (epochs != 1)} ({steps} step{'s' * (steps != 1)})"
+
+
+def warn_if_few_steps(cfg: TrainConfig, head_epochs: int, steps_per_epoch: int) -> None:
+    """A schedule of a handful of steps learns little (a head phase at one step per epoch stays at chance): say so,
+    unless --max-steps-per-epoch asked for few."""
+    total = cfg.epochs * steps_per_epoch
+    few_in_head = head_epochs > 0 and steps_per_epoch < FEW_STEPS_PER_HEAD_EPOCH
+    if cfg.max_steps_per_epoch or not (few_in_head or total < FEW_STEPS):
+        return
+    log.warning("only %d optimizer step%s per epoch (%d in all)%s: too few to learn much; use a smaller "
+                "--batch-size (or --accum-steps) or more --epochs", steps_per_epoch, "s" * (steps_per_epoch != 1),
+                total, " with the backbone frozen" if few_in_head else "")

@@ -3,6 +3,7 @@ step loop, the callbacks around it, and the state a checkpoint keeps. One loop f
 under torchrun), resumable at any step."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -28,7 +29,7 @@ from ..weights.loading import describe_weights
 from ..weights.preprocessing import preprocessing
 from . import callbacks as cb
 from .distributed import all_sum, init_distributed, main_process_choice
-from .loop import EpochResult, StopFlag, run_steps
+from .loop import EpochResult, Interrupted, StopFlag, run_steps
 from .model_setup import build_model, is_scratch
 from .phases import PhasePlan
 from .schedule import build_schedule
@@ -49,8 +50,12 @@ class RunResult:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, run_dir: Path, resume_state: Optional[dict] = None):
+    def __init__(self, cfg: TrainConfig, run_dir: Path, resume_state: Optional[dict] = None,
+                 stop_flag: Optional[StopFlag] = None, progress: Optional[ProgressBar] = None):
+        """`stop_flag`: one already installed around the whole run (finetune's), so that a signal while the data is
+        scanned and cached stops the run too; without one, run() installs its own. `progress` shows the cache fill."""
         self.cfg = cfg
+        self.stop_flag, self._own_stop_flag = stop_flag or StopFlag(), stop_flag is None
         self.folder = RunFolder(run_dir)
         self.ddp, self.device = init_distributed(cfg.device)
         torch.manual_seed(cfg.seed + self.ddp.rank)
@@ -80,7 +85,7 @@ class Trainer:
             self.model.set_grad_checkpointing(True)
 
         self.plan = PhasePlan(cfg)
-        self._build_data()
+        self._build_data(progress)
         self._build_optimization()
         self.state = TrainState(cfg, self.model, self.optimizer, self.scaler, self.ema)
         if resume_state is not None:
@@ -95,9 +100,10 @@ class Trainer:
         self.stop_reason: Optional[str] = None
         self.checkpoint_due = False
         self.data_wait = [0.0]
+        self.progress = progress
 
     # -- setup
-    def _build_data(self) -> None:
+    def _build_data(self, progress: Optional[ProgressBar]) -> None:
         cfg, pcfg = self.cfg, self.model.pretrained_cfg
         self.train_tf = train_tf = build_transforms(
             pcfg, self.img_size, train=True, scale=cfg.scale, ratio=cfg.ratio, hflip=cfg.hflip,
@@ -106,10 +112,14 @@ class Trainer:
         crop_pct = preprocessing(pcfg).crop_pct
         self.train_set = ImageDataset(self.splits.train, train_tf, cache=cfg.cache, img_size=self.img_size,
                                       crop_pct=crop_pct, name="train")
+        show = progress.counter("decoding the training images (--cache)", " images") \
+            if progress is not None and self.ddp.main else None
+        self.train_set.fill_cache(show, self.interrupt_requested)  # before build_loader, which would fill it unpolled
         # each rank evaluates its own slice of the validation set, so nothing is counted twice; a rank left
-        # without images (fewer than processes) validates nothing and adds zeros to the sums
+        # without images (fewer than processes) validates nothing and adds zeros to the sums. Never from the
+        # cache: validation decodes each original as `evaluate` does, so that the two agree exactly
         val_part = self.splits.val[self.ddp.rank::self.ddp.world]
-        self.val_set = ImageDataset(val_part, eval_tf, cache=cfg.cache, img_size=self.img_size, crop_pct=crop_pct,
+        self.val_set = ImageDataset(val_part, eval_tf, img_size=self.img_size, crop_pct=crop_pct,
                                     return_index=True, name="val") if val_part else None
         if len(self.train_set) < cfg.batch_size * self.ddp.world:
             raise VitftError(f"only {len(self.train_set)} training images for a batch of {cfg.batch_size}; "
@@ -177,24 +187,27 @@ class Trainer:
     # -- the run
     def run(self, progress: ProgressBar) -> RunResult:
         cfg, state = self.cfg, self.state
+        self.progress = progress
         self.callbacks = self._callbacks(progress)
         interrupted, status = False, "failed"
         self.callbacks.on_run_start(self)
         try:
-            with StopFlag() as self.stop_flag:
-                while state.epoch < cfg.epochs and not self.stop_reason:
-                    self._enter(self.plan.at(state.epoch))
-                    start, self.data_wait = time.perf_counter(), [0.0]
-                    self.callbacks.on_epoch_start(self)
-                    result = run_steps(self, self.phase.steps(self, progress))
-                    if result.interrupted:
-                        self.save_checkpoint()
-                        interrupted = True
-                        break
-                    self._end_epoch(result, time.perf_counter() - start)
-                    if state.epoch < cfg.epochs and not self.stop_reason and self.stop_requested():
-                        interrupted = True  # a signal in the last step or validation
-                        break
+            with self.stop_flag if self._own_stop_flag else contextlib.nullcontext():
+                try:
+                    self.check_interrupt()  # a signal while the data was scanned or cached
+                    while state.epoch < cfg.epochs and not self.stop_reason:
+                        self._enter(self.plan.at(state.epoch))
+                        start, self.data_wait = time.perf_counter(), [0.0]
+                        self.callbacks.on_epoch_start(self)
+                        result = run_steps(self, self.phase.steps(self, progress))
+                        if result.interrupted:
+                            raise Interrupted
+                        self._end_epoch(result, time.perf_counter() - start)
+                        if state.epoch < cfg.epochs and not self.stop_reason and self.stop_requested():
+                            raise Interrupted  # a signal in the last step
+                except Interrupted:
+                    self.save_checkpoint()  # at step 0 when nothing was done yet: a resume starts the pass again
+                    interrupted = True
             status = "interrupted" if interrupted else "finished"
         finally:
             self.callbacks.on_run_end(self, status)
@@ -260,17 +273,32 @@ class Trainer:
         """Whether any rank got a signal."""
         return all_sum([1.0 if self.stop_flag.stop else 0.0], self.ddp, self.device)[0] > 0
 
+    def interrupt_requested(self) -> bool:
+        """Whether a pass between training steps (cache, features, validation) stops at a signal: with one
+        process. Ranks of a DDP run must stop together, at the collective check after a step."""
+        return not self.ddp.enabled and self.stop_flag.stop
+
+    def check_interrupt(self) -> None:
+        """Raise Interrupted if interrupt_requested(): called between the batches of those passes."""
+        if self.interrupt_requested():
+            raise Interrupted
+
     @torch.inference_mode()
     def validate(self, model: nn.Module) -> dict:
         """Loss, top-1 and top-5 on this run's validation images, summed over all ranks."""
         model.eval()
         loss_sum = correct1 = correct5 = count = 0.0
+        total = len(self.val_set) if self.val_set is not None else 0
+        progress = self.progress.counter("validation", " images") if self.progress is not None else None
         for logits, targets in self.plan.at(self.state.epoch).logits(self, model):
+            self.check_interrupt()
             loss_sum += F.cross_entropy(logits.float(), targets, reduction="sum").item()
             top1, top5 = top_k_hits(logits, targets)
             correct1 += top1.sum().item()
             correct5 += top5.sum().item()
             count += targets.numel()
+            if progress:
+                progress(int(count), total)
         loss_sum, correct1, correct5, count = all_sum([loss_sum, correct1, correct5, count], self.ddp, self.device)
         if not count:
             raise VitftError("none of the validation images could be decoded")
