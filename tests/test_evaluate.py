@@ -295,7 +295,7 @@ def test_library_predict(run_dir, messy_folder, eval_data, cli_eval):
     assert len(good) == 6 and all(len(r.labels) == 6 and sum(r.probs) == pytest.approx(1, abs=1e-4) for r in good)
     # the same images get the same top-1 label and confidence as in evaluate's predictions.csv
     evaluated = {r["path"]: r for r in _read_csv(run_dir / "predictions.csv")}
-    predicted = {r.path: r for r in predict(str(run_dir), str(eval_data), workers=0, device="cpu")}
+    predicted = {r.path: r for r in predict(str(run_dir), str(eval_data), workers=0, device="cpu", precision="fp32")}
     assert set(predicted) == set(evaluated)
     for path, r in predicted.items():
         assert r.label == evaluated[path]["predicted_label"]
