@@ -148,3 +148,32 @@ def test_ranks_take_the_main_process_precision_choice(tmp_path):
         port = sock.getsockname()[1]
     mp.spawn(_choose_on_rank, args=(port, str(tmp_path)), nprocs=2, join=True)
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["bf16 from rank 0"] * 2
+
+
+class _Killed(BaseException):
+    """Stands in for a kill -9: nothing after it runs, no handler sees it."""
+
+
+def test_a_run_killed_while_drawing_its_curves_resumes(two_classes, tiny_model_dir, tmp_path, monkeypatch):
+    """At an epoch end the best model and the checkpoint are written before the slow files (curves.png): a kill
+    in between leaves a run that --resume continues."""
+    out = tmp_path / "run"
+    options = dict(PROBE, freeze_backbone=False, device="cpu", precision="fp32")
+
+    def die(self, rows):
+        raise _Killed
+
+    monkeypatch.setattr(RunFolder, "write_curves", die)
+    with pytest.raises(_Killed):
+        finetune(data=str(two_classes), pretrained=str(tiny_model_dir), output=str(out), **options)
+    assert RunFolder(out).read_checkpoint()["epoch"] == 1 and (out / "model.safetensors").is_file()
+    monkeypatch.undo()
+    result = finetune(resume=str(out))
+    assert result.epochs_done == 2 and (out / "curves.png").is_file()
+
+
+def test_resuming_a_run_killed_before_its_first_checkpoint_says_what_to_do(tmp_path):
+    RunFolder(tmp_path / "run").write_train_config({"data": "images"})
+    with pytest.raises(VitftError, match=r"has no last/checkpoint.pt yet: the run stopped before its first "
+                                         r"checkpoint .*start it again with --output .* --overwrite"):
+        finetune(resume=str(tmp_path / "run"))

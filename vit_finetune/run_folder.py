@@ -152,6 +152,10 @@ class RunFolder:
 
         path = self.checkpoint_file
         if not path.is_file():
+            if self.train_config_file.is_file():  # a run killed before its first checkpoint
+                raise VitftError(f"{self.path} has no {CHECKPOINT} yet: the run stopped before its first checkpoint "
+                                 f"(an epoch end, or --save-every); start it again with --output {self.path} "
+                                 "--overwrite")
             raise VitftError(f"{self.path} has no {CHECKPOINT} to resume from; is it a vitft run folder?")
         try:
             return torch.load(path, map_location="cpu", weights_only=True)

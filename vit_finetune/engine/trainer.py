@@ -178,11 +178,15 @@ class Trainer:
         self.net = module
 
     def _callbacks(self, progress: ProgressBar) -> cb.Callbacks:
-        """In order: early stopping decides first (a stop forces a checkpoint and the curves), then the files."""
+        """In order: early stopping decides first (a stop forces a checkpoint and the curves); then the best model
+        and at once the checkpoint, so that a kill -9 leaves a run that resumes; then metrics, curves and trackers."""
         callbacks: list[cb.Callback] = [cb.EarlyStopping(self.cfg.patience)] if self.cfg.patience else []
         if self.ddp.main:
-            callbacks += [cb.BestModelSaver(self.folder), cb.MetricsLog(self.folder), *self.trackers]
-        return cb.Callbacks([*callbacks, cb.Progress(progress, self.ddp.main), cb.Checkpointer(self.cfg.save_every)])
+            callbacks.append(cb.BestModelSaver(self.folder))
+        callbacks.append(cb.Checkpointer(self.cfg.save_every))
+        if self.ddp.main:
+            callbacks += [cb.MetricsLog(self.folder), *self.trackers]
+        return cb.Callbacks([*callbacks, cb.Progress(progress, self.ddp.main)])
 
     # -- the run
     def run(self, progress: ProgressBar) -> RunResult:
