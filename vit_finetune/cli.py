@@ -28,6 +28,7 @@ from .terminal import Command, Group, console, print_report, setup_logging
 # where a model comes from, as evaluate, predict and explain take it
 MODEL_HELP = "Run or model folder, weights file (with --model), hf-hub:org/repo, or a timm name (with --pretrained)."
 PRECISION_HELP = "auto, fp32, bf16 or fp16 (auto: bf16 on CUDA, or on a CPU where it measures faster)."
+INTERRUPTED_EXIT = 130  # what a shell reports for a program stopped by Ctrl-C (128 + SIGINT)
 
 app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune Vision Transformers on your own images.")
@@ -155,6 +156,8 @@ def finetune_cmd(ctx: typer.Context, recipe: Optional[Path], resume: Optional[Pa
     result = finetune(resume=resume, recipe=recipe, **flags)
     if is_main_process():  # under torchrun, one summary: rank 0's
         _summary(result)
+    if result.interrupted:  # as a shell reports Ctrl-C: `vitft finetune ... && vitft evaluate ...` stops here
+        raise typer.Exit(INTERRUPTED_EXIT)
 
 
 finetune_cmd.__signature__ = inspect.Signature([
