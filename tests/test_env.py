@@ -41,8 +41,8 @@ def test_text_names_versions_cpu_speed_choice_and_hub(offline_hub):
     widths = "x".join(map(str, runtime.DEFAULT_WIDTHS))
     assert any(re.fullmatch(rf"- matmul GFLOP/s, cpu \(1 thread\), widths {widths}: fp32 [\d.]+, bf16 [\d.]+", line)
                for line in lines)
-    assert any(re.fullmatch(r"- auto picks: device cpu, precision (fp32|bf16) \(bf16 measured .+ on this CPU: .+\) "
-                            rf"\(widths {widths}\)", line) for line in lines)
+    assert any(re.fullmatch(r"- auto picks: device cpu, precision (fp32|bf16) \(bf16 measured .+ on this CPU: .+; "
+                            rf"widths {widths}, measured once per machine and cached\)", line) for line in lines)
     assert f"- torch threads: {torch.get_num_threads()} " in "\n".join(lines)
     assert f"with {runtime.cpu_cores()} core(s)" in "\n".join(lines)
     assert f"- HF cache: {constants.HF_HUB_CACHE}" in lines
@@ -55,7 +55,9 @@ def test_json_for_machines(offline_hub):
     assert report["versions"]["torch"] == version("torch") and report["devices"][0] == "cpu"
     assert set(report["cpu"]["flags"]) == {"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}
     assert all(gflops > 0 for gflops in report["matmul_gflops"]["cpu (1 thread)"].values())
-    assert report["auto"]["precision"] == runtime.choose_precision(torch.device("cpu")).describe()  # cached: same
+    choice = runtime.choose_precision(torch.device("cpu"))  # cached: the same
+    assert (report["auto"]["precision"], report["auto"]["reason"]) == (choice.precision, choice.reason)
+    assert report["auto"]["precision"] in ("fp32", "bf16")  # a value for machines, not a sentence
     assert report["hub"]["reachable"].startswith("no: 127.0.0.1:9 does not answer")
 
 

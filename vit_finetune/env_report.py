@@ -41,6 +41,12 @@ def _cpu(flags) -> dict[str, Any]:
     }
 
 
+def _auto(device, choice) -> dict[str, Any]:
+    """What `precision: auto` picks: the precision as a plain value, and why (the start-up line's words)."""
+    return {"device": str(device), "precision": choice.precision, "reason": choice.reason,
+            "bf16_speedup": choice.bf16_speedup}
+
+
 def _devices() -> list[str]:
     import torch
 
@@ -95,7 +101,7 @@ def collect() -> dict[str, Any]:
             "cpu": _cpu(cpu_flags()),
             "matmul_gflops": _throughput(DEFAULT_WIDTHS),
             "matmul_widths": list(DEFAULT_WIDTHS),
-            "auto": {"device": str(device), "precision": choose_precision(device, "auto", DEFAULT_WIDTHS).describe()},
+            "auto": _auto(device, choose_precision(device, "auto", DEFAULT_WIDTHS)),
             "threads": {
                 "torch": torch.get_num_threads(),
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
@@ -128,7 +134,8 @@ def format_text(report: dict[str, Any]) -> str:
         lines.append(f"- matmul GFLOP/s, {where}, widths {widths}: {speeds}")
     threads = report["threads"]
     lines += [
-        f"- auto picks: device {report['auto']['device']}, {report['auto']['precision']} (widths {widths})",
+        f"- auto picks: device {report['auto']['device']}, precision {report['auto']['precision']} "
+        f"({report['auto']['reason']}; widths {widths}, measured once per machine and cached)",
         f"- torch threads: {threads['torch']} (OMP_NUM_THREADS {threads['OMP_NUM_THREADS'] or 'not set'})",
         f"- loader workers: {threads['loader_workers']}",
         f"- HF cache: {report['hub']['cache']}",
