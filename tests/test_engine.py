@@ -64,6 +64,58 @@ def test_mlflow_logs_params_metrics_and_curves_to_the_run_folder(two_classes, ti
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["curves.png"]
 
 
+def test_an_unreachable_mlflow_server_is_one_line_before_anything_is_written(two_classes, tiny_model_dir, tmp_path,
+                                                                            monkeypatch):
+    """MlflowClient retries an unreachable server for minutes, silently: a fast check fails first."""
+    import socket
+    import time
+
+    from vit_finetune.engine.callbacks import make_tracker
+    from vit_finetune.weights.download import HUB_CONNECT_TIMEOUT, HUB_LOOKUP_TIMEOUT
+
+    with socket.socket() as sock:  # a port nothing listens on once the socket is closed
+        sock.bind(("127.0.0.1", 0))
+        uri = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # without the check, fail (not hang) in MLflow
+    unreachable = rf"MLflow tracking server {uri} cannot be reached \(.*\); start it, or unset MLFLOW_TRACKING_URI"
+    out = tmp_path / "run"
+    with pytest.raises(VitftError, match=unreachable):
+        finetune(data=str(two_classes), pretrained=str(tiny_model_dir), output=str(out), log_with="mlflow", **PROBE)
+    assert not out.exists()
+    start = time.perf_counter()
+    with pytest.raises(VitftError, match=unreachable):
+        make_tracker("mlflow", RunFolder(out))  # what the trainer does when it is made
+    assert time.perf_counter() - start < HUB_LOOKUP_TIMEOUT + HUB_CONNECT_TIMEOUT
+
+
+def test_a_resumed_run_continues_its_mlflow_run(two_classes, tiny_model_dir, tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from vit_finetune.engine.callbacks import MLflow
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = tmp_path / "run"
+    finetune(data=str(two_classes), pretrained=str(tiny_model_dir), output=str(out), log_with="mlflow", **PROBE)
+    statuses, log_epoch = [], MLflow.on_epoch_end
+
+    def log_epoch_and_status(tracker: MLflow, trainer, row, best) -> None:
+        statuses.append(tracker.client.get_run(tracker.run_id).info.status)
+        log_epoch(tracker, trainer, row, best)
+
+    monkeypatch.setattr(MLflow, "on_epoch_end", log_epoch_and_status)
+    finetune(resume=out, epochs=3)
+    assert statuses == ["RUNNING"]  # the finished MLflow run runs again while the resume trains
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlruns' / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("vitft").experiment_id])
+    assert run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, "val_top1")
+    rows = RunFolder(out).read_metrics()
+    assert [(m.step, m.value) for m in history] == [(int(r["epoch"]), float(r["val_top1"])) for r in rows]
+    assert [m.step for m in history] == [1, 2, 3]
+    assert run.data.params["epochs"] == "2"  # MLflow keeps a param's first value: the resume does not change it
+
+
 def test_a_missing_tracker_package_is_one_line_before_anything_is_written(two_classes, tiny_model_dir, tmp_path,
                                                                           monkeypatch):
     out = tmp_path / "run"

@@ -84,6 +84,20 @@ class RunFolder:
         folder.mkdir(parents=True, exist_ok=True)
         return f"sqlite:///{folder / 'mlflow.db'}", (folder / "artifacts").as_uri()
 
+    @property
+    def mlflow_run_file(self) -> Path:
+        return self.mlflow_dir / "run.json"
+
+    def write_mlflow_run(self, tracking_uri: Optional[str], run_id: str) -> None:
+        """The MLflow run this run logs to, for a resume to continue it; `tracking_uri` None: the run folder's own
+        store (whose URI changes when the folder is moved)."""
+        record = {"tracking_uri": tracking_uri, "run_id": run_id}
+        atomic_write(self.mlflow_run_file, lambda tmp: tmp.write_text(json.dumps(record, indent=2)))
+
+    def mlflow_run(self) -> dict:
+        """The record write_mlflow_run left: tracking_uri and run_id; {} when there is none readable."""
+        return _read_json(self.mlflow_run_file) or {}
+
     # -- what is there
     def is_run(self) -> bool:
         """Whether the folder was written by `vitft finetune` (what --overwrite may replace)."""

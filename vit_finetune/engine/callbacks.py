@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Optional
+from urllib.parse import urlsplit
 
 import torch.nn as nn
 
 from ..errors import VitftError
 from ..progress import format_rate
 from ..run_folder import RunFolder
+from ..weights.download import endpoint_unreachable
 from .loop import StepEnd
 
 if TYPE_CHECKING:
@@ -199,7 +202,7 @@ class TensorBoard(Callback):
 class MLflow(Callback):
     """An MLflow run (experiment "vitft") with the options as params, each epoch's metrics and curves.png: in
     MLFLOW_TRACKING_URI, else in the run folder's mlruns/ (an SQLite store and its artifacts, MLflow's local
-    backend)."""
+    backend). The run folder remembers the MLflow run: a resume continues it, so one training is one MLflow run."""
 
     def __init__(self, run: RunFolder):
         try:
@@ -208,23 +211,66 @@ class MLflow(Callback):
             raise VitftError("--log-with mlflow needs the mlflow package: pip install 'vit-finetune[mlflow]' "
                              "(pip install -e '.[mlflow]' in a checkout)") from err
         self.run, self.make_client, self.client, self.run_id = run, MlflowClient, None, None
+        self.server_uri = os.environ.get("MLFLOW_TRACKING_URI") or None  # None: the run folder's own store
+        # checked now, before anything is written: MlflowClient retries an unreachable server for minutes, silently
+        if self.server_uri and urlsplit(self.server_uri).scheme in ("http", "https"):
+            unreachable = endpoint_unreachable(self.server_uri)
+            if unreachable:
+                raise VitftError(f"MLflow tracking server {self.server_uri} cannot be reached ({unreachable}); "
+                                 "start it, or unset MLFLOW_TRACKING_URI to log into the run folder's mlruns/")
 
     def on_run_start(self, trainer):
-        uri, artifacts = os.environ.get("MLFLOW_TRACKING_URI"), None
+        from mlflow.entities import Param
+
+        uri, artifacts = self.server_uri, None
         if not uri:
             uri, artifacts = self.run.mlflow_store()
         self.client = self.make_client(tracking_uri=uri)
+        self.run_id = (self._continued_run() if trainer.resumed else None) or self._new_run(artifacts)
+        # MLflow refuses to change a param's value: a resume logs only the options the run does not have yet
+        logged = self.client.get_run(self.run_id).data.params
+        params = [Param(key, str(value)[:500])  # MLflow's limit for a param's value
+                  for key, value in sorted(trainer.cfg.to_dict().items()) if key not in logged]
+        if params:
+            self.client.log_batch(self.run_id, params=params)
+
+    def _new_run(self, artifacts: Optional[str]) -> str:
         experiment = self.client.get_experiment_by_name("vitft")
         experiment_id = experiment.experiment_id if experiment else \
             self.client.create_experiment("vitft", artifact_location=artifacts)
-        self.run_id = self.client.create_run(experiment_id, run_name=self.run.path.name).info.run_id
-        for key, value in sorted(trainer.cfg.to_dict().items()):
-            self.client.log_param(self.run_id, key, str(value)[:500])  # MLflow's limit for a param's value
+        run_id = self.client.create_run(experiment_id, run_name=self.run.path.name).info.run_id
+        self.run.write_mlflow_run(self.server_uri, run_id)
+        return run_id
+
+    def _continued_run(self) -> Optional[str]:
+        """The MLflow run this run folder logged to, running again; None (saying why) when it is not there."""
+        from mlflow.exceptions import MlflowException
+
+        record = self.run.mlflow_run()
+        run_id = record.get("run_id")
+        if not run_id:
+            return None
+        where = record.get("tracking_uri") or "the run folder's mlruns/"
+        if record.get("tracking_uri") != self.server_uri:
+            log.info("this run logged to MLflow in %s: the resume starts a new MLflow run", where)
+            return None
+        try:
+            found = self.client.get_run(run_id)
+        except MlflowException:
+            found = None
+        if found is None or found.info.lifecycle_stage == "deleted":
+            log.warning("MLflow run %s is gone from %s: the resume starts a new MLflow run", run_id, where)
+            return None
+        self.client.update_run(run_id, status="RUNNING")
+        return run_id
 
     def on_epoch_end(self, trainer, row, best):
-        for key, value in row.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "epoch":
-                self.client.log_metric(self.run_id, key, float(value), step=row["epoch"])
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(key, float(value), now, row["epoch"]) for key, value in row.items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "epoch"]
+        self.client.log_batch(self.run_id, metrics=metrics)
 
     def on_run_end(self, trainer, status):
         if self.run_id is None:

@@ -62,6 +62,8 @@ class Trainer:
         random.seed(cfg.seed + self.ddp.rank)
         np.random.seed(cfg.seed + self.ddp.rank)
         check_precision(self.device, cfg.precision)  # fail early; 'auto' is resolved once the model is built
+        # trackers are checked first (no package, no MLflow server: fail before anything is written), started later
+        self.trackers = [cb.make_tracker(name, self.folder) for name in cb.trackers(cfg)] if self.ddp.main else []
 
         self.splits: DatasetSplits = find_dataset(cfg.data, cfg.val_split, cfg.seed)
         if not self.splits.val:
@@ -95,8 +97,6 @@ class Trainer:
         self.phase = self.plan.at(self.state.epoch)
         self.phase.enter(self.model)  # after the optimizer is built: its groups hold every parameter
         self._wrap()
-        # trackers are checked now (a missing package fails before anything is written), started with the run
-        self.trackers = [cb.make_tracker(name, self.folder) for name in cb.trackers(cfg)] if self.ddp.main else []
         self.stop_reason: Optional[str] = None
         self.checkpoint_due = False
         self.data_wait = [0.0]

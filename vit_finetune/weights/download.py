@@ -1,4 +1,5 @@
-"""Files from the Hugging Face Hub through its cache, with one fast check that the Hub can be reached."""
+"""Files from the Hugging Face Hub through its cache, with one fast check that the Hub (or any HTTP endpoint) can be
+reached."""
 from __future__ import annotations
 
 import logging
@@ -10,8 +11,8 @@ from ..errors import VitftError
 
 log = logging.getLogger("vitft")
 
-# seconds allowed for the Hub endpoint's name lookup, then for its TCP connect: an unreachable Hub is found out
-# within their sum
+# seconds allowed for an endpoint's name lookup (the Hub's, an MLflow server's), then for its TCP connect: an
+# unreachable endpoint is found out within their sum
 HUB_LOOKUP_TIMEOUT = 3.0
 HUB_CONNECT_TIMEOUT = 3.0
 # how a caller names local weights instead, in Python's terms and the command line's (this layer cannot tell which)
@@ -19,21 +20,19 @@ LOCAL_WEIGHTS = ("pretrained=PATH in Python, --pretrained PATH on the command li
                  "evaluate, predict or explain")
 
 
-def hub_unreachable() -> Optional[str]:
-    """Why the Hub endpoint cannot be reached (its host does not resolve, or refuses connections), else None.
+def endpoint_unreachable(url: str) -> Optional[str]:
+    """Why the server at `url` cannot be reached (its host does not resolve, or refuses connections), else None.
 
-    One name lookup and one TCP connect with a short timeout: huggingface_hub would otherwise retry an
-    unreachable host several times, logging every retry, before giving up.
+    One name lookup and one TCP connect with a short timeout: HTTP clients (huggingface_hub's, MLflow's) would
+    otherwise retry an unreachable host several times, silently or logging every retry, before giving up.
     """
     import socket
     from concurrent.futures import ThreadPoolExecutor
     from concurrent.futures import TimeoutError as LookupTimeout
     from urllib.parse import urlsplit
 
-    from huggingface_hub import constants
-
-    url = urlsplit(constants.ENDPOINT)
-    host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+    parts = urlsplit(url)
+    host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
     pool = ThreadPoolExecutor(max_workers=1)  # getaddrinfo has no timeout of its own
     try:
         addresses = pool.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM).result(HUB_LOOKUP_TIMEOUT)
@@ -51,6 +50,13 @@ def hub_unreachable() -> Optional[str]:
     except OSError as err:
         return f"{host}:{port} does not answer ({err.strerror or type(err).__name__})"
     return None
+
+
+def hub_unreachable() -> Optional[str]:
+    """Why the Hub endpoint (HF_ENDPOINT) cannot be reached, else None."""
+    from huggingface_hub import constants
+
+    return endpoint_unreachable(constants.ENDPOINT)
 
 
 def hub_download(repo_id: str, filenames: tuple[str, ...], revision: Optional[str] = None) -> Path:
