@@ -25,7 +25,6 @@ from ..progress import ProgressBar
 from ..run_folder import RunFolder
 from ..runtime import check_precision, choose_precision, model_widths
 from ..tasks.inference import top_k_hits
-from ..weights.loading import describe_weights
 from ..weights.preprocessing import preprocessing
 from . import callbacks as cb
 from .distributed import all_sum, init_distributed, main_process_choice
@@ -34,6 +33,7 @@ from .model_setup import build_model, is_scratch
 from .phases import PhasePlan
 from .schedule import build_schedule
 from .state import TrainState, model_from_checkpoint
+from .summary import startup_lines
 
 log = logging.getLogger("vitft")
 
@@ -311,45 +311,4 @@ class Trainer:
 
     def describe(self) -> list[str]:
         """The start-up lines: weights, data, device, optimisation, and the head phase."""
-        cfg = self.cfg
-        counts = self.splits.class_counts()
-        per_class = ", ".join(f"{c} {counts['train'].get(c, 0)}/{counts['val'].get(c, 0)}" for c in self.classes)
-        weights = describe_weights(self.model)
-        if self.resumed:  # the first line names the run's checkpoint, not the weights it started from
-            weights[0] = (f"weights: this run's checkpoint {self.folder.checkpoint_file} (the run started from "
-                          f"{self.model.pretrained_cfg.get('source')})")
-        warmup = f"{self.warmup_epochs:.3g}" + (f" (capped from {cfg.warmup_epochs})" if self.warmup_epochs !=
-                                                cfg.warmup_epochs else "")
-        lines = [
-            *weights,
-            f"data: {cfg.data} [{self.splits.layout}]: {len(self.classes)} classes, "
-            f"{len(self.splits.train)} train / {len(self.splits.val)} val images (train/val per class: {per_class})",
-            f"device: {self.device}{f' x{self.ddp.world} processes' if self.ddp.enabled else ''}, "
-            f"{self.precision_choice.describe()}{', torch.compile' if cfg.compile else ''}; "
-            f"{self.train_loader.cpu_plan.describe()}",
-            f"optimizer: {cfg.opt}, effective batch {self.effective_batch} = {cfg.batch_size} x {cfg.accum_steps} "
-            f"accum x {self.ddp.world} proc; lr {self.lr:.3g} = {cfg.lr:g} x {self.effective_batch}/"
-            f"{cfg.lr_base_size}; layer decay {self.layer_decay or 'off'}; {cfg.epochs} epoch"
-            f"{'s' * (cfg.epochs != 1)} x {self.steps_per_epoch} steps, warmup {warmup}",
-        ]
-        if self.plan.head_epochs:
-            lines.append(self._describe_head_phase())
-        if getattr(self.model, "head_dist", None) is not None:
-            lines.append("distilled model (DeiT): no teacher, so both heads (head, head_dist) are trained on the "
-                         "labels through their mean, the model's output, as timm does")
-        if cfg.patience:
-            lines.append(f"early stopping: after {cfg.patience} epoch{'s' * (cfg.patience != 1)} without a better "
-                         "val top-1")
-        return lines
-
-    def _describe_head_phase(self) -> str:
-        cfg, head_epochs = self.cfg, self.plan.head_epochs
-        epochs = "every epoch" if head_epochs == cfg.epochs else f"epochs 1-{head_epochs}"
-        if cfg.feature_views == 0:
-            how = "the frozen backbone runs on freshly augmented images every epoch"
-        else:
-            views = "one un-augmented view" if cfg.feature_views == 1 else f"{cfg.feature_views} augmented views"
-            how = (f"its pooled features ({views} of each image) are computed once and the head trains on them"
-                   + (" (mixup/cutmix start with the backbone)" if self.mixup is not None else ""))
-        then = "" if head_epochs == cfg.epochs else "; then everything trains, with a schedule of its own"
-        return f"head phase, {epochs}: backbone frozen, head lr {self.head_lr:.3g}; {how}{then}"
+        return startup_lines(self)
