@@ -229,3 +229,37 @@ def test_resuming_a_run_killed_before_its_first_checkpoint_says_what_to_do(tmp_p
     with pytest.raises(VitftError, match=r"has no last/checkpoint.pt yet: the run stopped before its first "
                                          r"checkpoint .*start it again with --output .* --overwrite"):
         finetune(resume=str(tmp_path / "run"))
+
+
+def test_a_head_epoch_is_timed_without_the_feature_pass(two_classes, tiny_model_dir, tmp_path, monkeypatch):
+    """The first head epoch's seconds, img/s and progress count its steps only: the features computed before it
+    (a long pass on real data) made the first progress line promise hours."""
+    import time
+
+    from vit_finetune.engine import phases
+
+    compute = phases.cache_features
+
+    def slow_features(trainer, progress):
+        time.sleep(1.0)
+        return compute(trainer, progress)
+
+    monkeypatch.setattr(phases, "cache_features", slow_features)
+    out = tmp_path / "run"
+    finetune(data=str(two_classes), pretrained=str(tiny_model_dir), output=str(out), **PROBE)
+    first = RunFolder(out).read_metrics()[0]
+    assert float(first["seconds"]) < 0.5, first
+
+
+def test_a_second_signal_says_it_stops_without_a_checkpoint(caplog):
+    import signal
+
+    from vit_finetune.engine.loop import StopFlag
+
+    caplog.set_level("WARNING", logger="vitft")
+    flag = StopFlag()
+    flag._handle(signal.SIGINT, None)
+    assert flag.stop and "saving a checkpoint to resume from" in caplog.text
+    with pytest.raises(KeyboardInterrupt):
+        flag._handle(signal.SIGINT, None)
+    assert "SIGINT again: stopping now, without a checkpoint" in caplog.text

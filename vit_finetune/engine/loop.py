@@ -127,6 +127,7 @@ class StopFlag:
 
     def _handle(self, signum, frame):
         if self.stop:  # second signal: give up at once
+            log.warning("%s again: stopping now, without a checkpoint", signal.Signals(signum).name)
             raise KeyboardInterrupt
         self.stop = True
         log.warning("%s received: saving a checkpoint to resume from, then stopping", signal.Signals(signum).name)

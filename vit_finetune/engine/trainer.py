@@ -201,9 +201,11 @@ class Trainer:
                     self.check_interrupt()  # a signal while the data was scanned or cached
                     while state.epoch < cfg.epochs and not self.stop_reason:
                         self._enter(self.plan.at(state.epoch))
-                        start, self.data_wait = time.perf_counter(), [0.0]
+                        self.data_wait = [0.0]
+                        steps = self.phase.steps(self, progress)  # a head phase's feature pass runs here, untimed
+                        start = time.perf_counter()
                         self.callbacks.on_epoch_start(self)
-                        result = run_steps(self, self.phase.steps(self, progress))
+                        result = run_steps(self, steps)
                         if result.interrupted:
                             raise Interrupted
                         self._end_epoch(result, time.perf_counter() - start)
