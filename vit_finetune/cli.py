@@ -373,6 +373,10 @@ def env_cmd(as_json: bool = typer.Option(False, "--json", help="One JSON object,
     typer.echo(json.dumps(report, indent=1) if as_json else format_text(report))
 
 
+ADAPTER_HELP = ("A --lora run's adapter alone (adapter_config.json + adapter_model.safetensors, loaded with timm + "
+                "peft), not the merged model.")
+
+
 @command("export")
 def export_cmd(
     run_dir: Path = typer.Argument(..., help="Run folder written by `vitft finetune` (or any saved model folder)."),
@@ -390,12 +394,13 @@ def export_cmd(
     img_size: Optional[int] = typer.Option(None, "--img-size",
                                            help="Export everything at this input size (position embedding resized).",
                                            show_default="the run's"),
+    adapter: bool = typer.Option(False, "--adapter", help=ADAPTER_HELP),
 ):
     """Export a run as a Hub-ready model folder: timm format plus a model card (and model.onnx with --onnx)."""
     from .hub.export import export
 
     out = export(run_dir, out_dir, dtype=dtype, overwrite=overwrite, repo_id=repo_id, dataset=dataset, onnx=onnx,
-                 img_size=img_size)
+                 img_size=img_size, adapter=adapter)
     typer.echo(f"exported {_printable(run_dir)} to {_printable(out)}")
 
 
@@ -418,12 +423,14 @@ def push_cmd(
     dtype: str = typer.Option("fp32", "--dtype", help="Uploaded weights' precision: fp32, fp16 or bf16."),
     dataset: Optional[str] = typer.Option(None, "--dataset",
                                           help="Hub dataset id trained on, for the card's metadata."),
+    adapter: bool = typer.Option(False, "--adapter", help=ADAPTER_HELP),
 ):
     """Export a run and upload it to a Hugging Face Hub model repo."""
     from .hub.push import push
 
     result = push(run_dir, repo_id, token=token, private=private, revision=revision, create_pr=create_pr,
-                  commit_message=commit_message, overwrite_card=overwrite_card, dtype=dtype, dataset=dataset)
+                  commit_message=commit_message, overwrite_card=overwrite_card, dtype=dtype, dataset=dataset,
+                  adapter=adapter)
     typer.echo(f"pushed to {result.url}")
     if result.pr_url:
         typer.echo(f"pull request: {result.pr_url}")

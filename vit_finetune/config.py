@@ -53,6 +53,14 @@ class TrainConfig:
     img_size: Optional[int] = option(None, panel=MODEL, when_none="the weights'",
                                      help="Training resolution (position embedding resized).")
     drop_path: float = option(0.1, panel=MODEL, help="Stochastic depth rate.")
+    lora: Optional[int] = option(None, panel=MODEL, metavar="RANK", when_none="off: every weight trains",
+                                 help="Train a LoRA adapter of this rank (peft) and the head; the weights stay frozen.")
+    lora_alpha: Optional[float] = option(None, panel=MODEL, when_none="2 x --lora", help="LoRA's scaling alpha.")
+    lora_dropout: float = option(0.0, panel=MODEL, help="Dropout on LoRA's input.")
+    lora_targets: str = option("qkv,proj,fc1,fc2", panel=MODEL, metavar="NAMES",
+                               help="Modules LoRA adapts, by timm's names (peft matches name endings: proj is also "
+                               "patch_embed.proj).")
+    lora_method: str = option("lora", panel=MODEL, help="lora, or dora (peft's weight-decomposed LoRA).")
     epochs: int = option(10, panel=OPTIMISATION, help="Training epochs.")
     batch_size: int = option(64, panel=OPTIMISATION, help="Images per step per process.")
     accum_steps: int = option(1, panel=OPTIMISATION,

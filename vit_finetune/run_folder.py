@@ -1,7 +1,8 @@
 """The run folder's format, in one place: every file name in it, and the only code that reads or writes them.
 
 A run folder holds the effective options (train_config.json), the best model (config.json + model.safetensors,
-loadable by timm and vitft, its config's "vitft" key saying what it was trained on), metrics.csv and curves.png,
+loadable by timm and vitft, its config's "vitft" key saying what it was trained on; a LoRA run's with the adapter
+merged in, and the adapter itself in adapter/ as peft writes it), metrics.csv and curves.png,
 a resumable checkpoint (last/checkpoint.pt), tracker logs (tensorboard/, mlruns/) and, once evaluated,
 report.json. Nothing here imports torch at module level: the command line reads a run without it.
 """
@@ -23,6 +24,7 @@ log = logging.getLogger("vitft")
 
 PathLike = Union[str, os.PathLike]
 CHECKPOINT = Path("last") / "checkpoint.pt"
+ADAPTER_DIR = "adapter"  # a LoRA run's adapter: adapter_config.json + adapter_model.safetensors
 METRIC_FIELDS = ["epoch", "train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_s", "seconds",
                  "data_wait", "peak_mem_gb", "val_images"]
 CURVES = "curves.png"
@@ -65,6 +67,10 @@ class RunFolder:
     @property
     def model_config_file(self) -> Path:
         return self.path / "config.json"
+
+    @property
+    def adapter_dir(self) -> Path:
+        return self.path / ADAPTER_DIR
 
     @property
     def report_file(self) -> Path:
@@ -200,9 +206,14 @@ class RunFolder:
 
     # -- the model files
     def save_model(self, model, info: dict) -> None:
-        """The best model so far: config.json + model.safetensors, `info` under the config's "vitft" key."""
+        """The best model so far: config.json + model.safetensors, `info` under the config's "vitft" key; an adapted
+        model's adapter in adapter/ first, then the model with the adapter merged in."""
+        from .weights.adapters import is_adapted, merged_copy, save_adapter
         from .weights.saving import save_pretrained
 
+        if is_adapted(model):
+            save_adapter(model, self.adapter_dir)
+            model = merged_copy(model)
         save_pretrained(model, self.path, extra_config={"vitft": info})
 
     def model_config(self) -> dict:

@@ -15,13 +15,14 @@ from ..run_folder import RunFolder
 from .callbacks import trackers
 from .distributed import is_main_process, leave
 from .loop import StopFlag
-from .model_setup import default_pretrained
+from .model_setup import check_lora, default_pretrained
 from .trainer import RunResult, Trainer
 
 log = logging.getLogger("vitft")
 
 # options that define a run: a resume that changed them would re-split the data or ignore them
-_RUN_DEFINING = ("seed", "val_split", "img_size", "pretrained", "model", "model_kwargs")
+_RUN_DEFINING = ("seed", "val_split", "img_size", "pretrained", "model", "model_kwargs", "lora", "lora_targets",
+                 "lora_method")
 
 
 def finetune(config: TrainConfig | dict | None = None, resume: Optional[str | Path] = None,
@@ -143,3 +144,4 @@ def check_config(cfg: TrainConfig) -> None:
         if not ok:
             raise VitftError(message)
     trackers(cfg)  # an unknown --log-with name is an error now, not at the first epoch
+    check_lora(cfg)

@@ -20,6 +20,7 @@ from ..config import TrainConfig
 from ..data.loaders import build_loader, requested_batches
 from ..progress import format_rate
 from ..runtime import compute_context
+from ..weights.adapters import adapter_keys, is_adapted
 from .distributed import all_sum, average_gradients
 from .features import FeatureSet, extract_features
 from .loop import Steps, timed
@@ -35,8 +36,11 @@ Logits = Iterator[tuple[torch.Tensor, torch.Tensor]]  # (logits, targets) batche
 
 
 def set_backbone_trainable(model: nn.Module, trainable: bool) -> None:
+    """The head trains; the backbone too when `trainable` (with LoRA: its adapter, never the frozen weights)."""
+    adapter = set(adapter_keys(model)) if is_adapted(model) else None
     for name, param in model.named_parameters():
-        param.requires_grad = trainable or name.startswith(("head.", "head_dist.", "fc_norm."))
+        param.requires_grad = (trainable or name.startswith(("head.", "head_dist.", "fc_norm."))) and (
+            adapter is None or name in adapter)
 
 
 class FineTuning:

@@ -1,6 +1,7 @@
 """What a checkpoint saves and restores: the model, the optimisation state, where the run is, and every RNG.
 
-A checkpoint holds tensors and plain values only, so that it loads with torch.load(weights_only=True).
+A checkpoint holds tensors and plain values only, so that it loads with torch.load(weights_only=True). A LoRA run's
+checkpoint holds the adapter and the head, not the frozen weights: a resume reads those again from --pretrained.
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import torch.nn as nn
 
 from ..config import TrainConfig
 from ..errors import VitftError
+from ..weights.adapters import adapter_state, is_adapted, load_adapter_state
 from ..weights.loading import create_model
+from .model_setup import build_model
 
 
 @dataclass
@@ -35,7 +38,7 @@ class TrainState:
 
     def state_dict(self) -> dict:
         return {
-            "model": self.model.state_dict(),
+            "model": adapter_state(self.model) if is_adapted(self.model) else self.model.state_dict(),
             "pretrained_cfg": self.model.pretrained_cfg,
             "model_args": self.model.model_args,
             "optimizer": self.optimizer.state_dict(),
@@ -74,8 +77,12 @@ def model_from_checkpoint(state: dict, classes: list[str], data: str) -> nn.Modu
     if trained_on is not None and list(trained_on) != list(classes):
         raise VitftError(f"this run was trained on classes {', '.join(trained_on)} but {data} has "
                          f"{', '.join(classes)}; resume with the same data")
-    model = create_model(state["pretrained_cfg"]["architecture"], num_classes=len(classes), **state["model_args"])
-    model.load_state_dict(state["model"])
+    if state["config"].get("lora"):  # the frozen base weights again, then the adapter
+        model = build_model(TrainConfig.from_dict(state["config"]), len(classes))
+        load_adapter_state(model, state["model"])
+    else:
+        model = create_model(state["pretrained_cfg"]["architecture"], num_classes=len(classes), **state["model_args"])
+        model.load_state_dict(state["model"])
     model.pretrained_cfg = dict(state["pretrained_cfg"])
     model.model_args = state["model_args"]
     return model

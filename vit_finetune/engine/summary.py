@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..weights.adapters import is_adapted, trainable_counts
 from ..weights.loading import describe_weights
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ def startup_lines(trainer: Trainer) -> list[str]:
         f"{cfg.lr_base_size}; layer decay {trainer.layer_decay or 'off'}; {cfg.epochs} epoch"
         f"{'s' * (cfg.epochs != 1)} x {trainer.steps_per_epoch} steps, warmup {warmup}",
     ]
+    lines.append(_trainable_line(trainer))
     if trainer.plan.head_epochs:
         lines.append(_head_phase_line(trainer))
     if getattr(trainer.model, "head_dist", None) is not None:
@@ -42,6 +44,20 @@ def startup_lines(trainer: Trainer) -> list[str]:
         lines.append(f"early stopping: after {cfg.patience} epoch{'s' * (cfg.patience != 1)} without a better "
                      "val top-1")
     return lines
+
+
+def _trainable_line(trainer: Trainer) -> str:
+    """How many parameters train in the first phase, and the LoRA adapter when there is one."""
+    cfg = trainer.cfg
+    trainable, total = trainable_counts(trainer.model)
+    line = f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.2f}%)"
+    if trainer.plan.head_epochs:
+        line += " in the head phase"
+    if is_adapted(trainer.model):
+        line += (f"; LoRA{' (DoRA)' if cfg.lora_method == 'dora' else ''} rank {cfg.lora}, alpha "
+                 f"{cfg.lora_alpha if cfg.lora_alpha is not None else 2 * cfg.lora:g}, dropout {cfg.lora_dropout:g}, "
+                 f"on {cfg.lora_targets}, the head trained in full; the other weights stay frozen")
+    return line
 
 
 def _head_phase_line(trainer: Trainer) -> str:

@@ -307,3 +307,43 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
         out += onnx_usage(repo, cfg, size, k)
     body = printable("\n".join(out))
     return str(ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n{body}"))
+
+
+def adapter_card(run_dir: PathLike, adapter_config: dict, repo_id: Optional[str] = None) -> str:
+    """The README.md of an exported LoRA adapter: peft's metadata (library_name peft, base_model the base weights)
+    and a snippet that loads it with timm + peft, the base built as the run built it."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    from ..files import printable
+
+    run = check_run(run_dir)
+    info = run.vitft_info()
+    config = info["config"]
+    repo = repo_id or PLACEHOLDER_REPO
+    base = adapter_config.get("base_model_name_or_path")
+    public_base = base if base and base != "local" else None
+    labels = list(config.get("label_names") or info["data"].get("classes") or [])
+    num_classes = config.get("num_classes", len(labels))
+    args = "".join(f", {k}={v!r}" for k, v in as_dict(config.get("model_args")).items())
+    card_data = ModelCardData(library_name="peft", pipeline_tag="image-classification", base_model=public_base,
+                              tags=[*TAGS, "lora", "peft"])
+    method = "DoRA" if adapter_config.get("use_dora") else "LoRA"
+    base_ref = f'"hf-hub:{public_base}"' if public_base else '"<the base weights it was trained on>"'
+    out = [f"# {repo_id.split('/')[-1] if repo_id else run.path.resolve().name}\n",
+           f"A {method} adapter (rank {adapter_config.get('r')}, alpha {adapter_config.get('lora_alpha')}, on "
+           f"{', '.join(adapter_config.get('target_modules') or [])}; the head trained in full) for "
+           f"{f'[`{public_base}`](https://huggingface.co/{public_base})' if public_base else 'local base weights'}, "
+           f"a {num_classes}-class image classifier trained with [vitft]({__url__}).\n"]
+    if labels:
+        out += ["## Labels\n", ", ".join(f"{i}: {_md(label)}" for i, label in enumerate(labels)), ""]
+    best = info["best"]
+    if best:
+        out.append(f"Best validation top-1: {_pct(best.get('val_top1'))} (epoch {best.get('epoch', '-')}).\n")
+    out += ["## Usage\n", "### timm + peft\n", "```python", "import timm", "from peft import PeftModel", "",
+            f"model = timm.create_model({base_ref}, pretrained=True, num_classes={num_classes}{args})",
+            f'model = PeftModel.from_pretrained(model, "{repo}").eval()',
+            "model = model.merge_and_unload()  # optional: one plain timm model", "```", "",
+            "### vitft\n", "```python", "import vit_finetune", "",
+            f'model = vit_finetune.create_model("hf-hub:{repo}", pretrained=True).eval()  # merged', "```", ""]
+    body = printable("\n".join(out))
+    return str(ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n{body}"))

@@ -16,14 +16,15 @@ from typing import Any, Optional
 
 from ..errors import VitftError
 from ..run_folder import CARD_IMAGES, as_dict
-from .card import hyperparameters, model_card
+from .card import adapter_card, hyperparameters, model_card
 from .onnx import ONNX_FILES, export_onnx, require_onnx
 from .run import PathLike, check_run
 
 log = logging.getLogger("vitft")
 
 # every file `export` writes: what --overwrite replaces in an existing folder (nothing else is touched)
-EXPORT_FILES = ("config.json", "model.safetensors", "README.md", *CARD_IMAGES, *ONNX_FILES)
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # weights/adapters.py's, named without torch
+EXPORT_FILES = ("config.json", "model.safetensors", "README.md", *CARD_IMAGES, *ONNX_FILES, *ADAPTER_FILES)
 DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16", "half": "float16",
           "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
@@ -94,7 +95,7 @@ def _check_img_size(config: dict, img_size: Optional[int]) -> None:
 
 def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwrite: bool = False,
            repo_id: Optional[str] = None, dataset: Optional[str] = None, onnx: bool = False,
-           img_size: Optional[int] = None) -> Path:
+           img_size: Optional[int] = None, adapter: bool = False) -> Path:
     """Write the folder `push` uploads: timm-format config.json + model.safetensors, README.md, images.
 
     `dtype` (fp32, fp16, bf16) is the saved weights' precision; `repo_id` the repo the card's usage
@@ -106,6 +107,9 @@ def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwri
     `onnx` also writes model.onnx (float32 whatever `dtype`), checked against PyTorch with onnxruntime
     (see onnx.py); `img_size` exports everything (weights, config.json, model.onnx) at that input
     size, the position embedding resized.
+
+    `adapter` writes a LoRA run's adapter alone (adapter_config.json + adapter_model.safetensors, as peft writes
+    them) with a card whose snippet loads it with timm + peft.
     """
     if onnx:
         require_onnx()  # before any work
@@ -119,11 +123,17 @@ def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwri
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise VitftError(f"{out} already exists and is not empty; pass --overwrite to replace the exported files "
                          "in it, or pick another folder")
+    if adapter and not all((run.adapter_dir / name).is_file() for name in ADAPTER_FILES):
+        raise VitftError(f"{run} has no adapter ({run.adapter_dir.name}/{ADAPTER_FILES[0]}): only a run trained with "
+                         "--lora has one; export without --adapter")
     replaced = [name for name in EXPORT_FILES if (out / name).exists()]
-    if replaced and not all((out / name).is_file() for name in ("config.json", "model.safetensors")):
+    if replaced and not any(all((out / name).is_file() for name in files)
+                            for files in (("config.json", "model.safetensors"), ADAPTER_FILES)):
         # a folder without an earlier export (a project's root, a data folder): its README.md is the user's own
         raise VitftError(f"{out} holds {', '.join(replaced)} but no exported model (config.json + model.safetensors): "
                          "--overwrite only replaces an earlier export's files; pick another folder")
+    if adapter:
+        return _export_adapter(run, out, repo_id)
     import torch
 
     from ..files import plain_permissions
@@ -151,4 +161,25 @@ def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwri
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log.debug("exported %s to %s (%s weights)", run, out, dtype)
+    return out
+
+
+def _export_adapter(run, out: Path, repo_id: Optional[str]) -> Path:
+    """The adapter files as the run saved them, and the adapter's card."""
+    import json
+
+    from ..files import plain_permissions
+
+    staging = _staging_dir(out)
+    try:
+        for name in ADAPTER_FILES:
+            shutil.copyfile(run.adapter_dir / name, staging / name)
+        config = json.loads((staging / ADAPTER_FILES[0]).read_text())
+        (staging / "README.md").write_text(adapter_card(run, config, repo_id), encoding="utf-8")
+        plain_permissions(staging)
+        _install(staging, out)
+    except (OSError, ValueError) as err:
+        raise VitftError(f"cannot write the adapter export to {out}: {err}") from err
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out

@@ -134,12 +134,14 @@ def _plain_branch(revision: Optional[str]) -> bool:
 
 def push(run_dir: PathLike, repo_id: str, token: Optional[str] = None, private: bool = False,
          revision: Optional[str] = None, create_pr: bool = False, commit_message: Optional[str] = None,
-         overwrite_card: bool = False, *, dtype: str = "fp32", dataset: Optional[str] = None) -> PushResult:
+         overwrite_card: bool = False, *, dtype: str = "fp32", dataset: Optional[str] = None,
+         adapter: bool = False) -> PushResult:
     """Export `run_dir` and upload it to the Hub model repo `repo_id` (created when missing).
 
     The repo's existing README.md is kept unless `overwrite_card`. `revision` commits to that branch
     (created from main when missing); `create_pr` opens a pull request against main instead. The
-    export lives in a temporary folder that is always removed.
+    export lives in a temporary folder that is always removed. `adapter` pushes a LoRA run's adapter alone, with
+    its card (export's `adapter`).
     """
     run = check_run(run_dir)
     from ..weights.sources import weights_in
@@ -173,7 +175,8 @@ def push(run_dir: PathLike, repo_id: str, token: Optional[str] = None, private: 
             log.info("keeping the model card (README.md) already in %s; --overwrite-card replaces it", repo_id)
     # ... then the export, in a temporary folder that is removed whatever happens
     with tempfile.TemporaryDirectory(prefix="vitft-push-") as tmp:
-        folder = export(run, Path(tmp) / "export", dtype=dtype, repo_id=repo_id, dataset=dataset)
+        folder = export(run, Path(tmp) / "export", dtype=dtype, repo_id=repo_id, dataset=dataset,
+                        adapter=adapter)
         # card images the new card no longer shows are removed from the repo (not when the old card stays)
         stale = [] if keep_card else [n for n in CARD_IMAGES if not (folder / n).is_file()]
         with _hub_step(f"uploading to {repo_id}", repo_id):

@@ -3,8 +3,8 @@
 `create_model` resolves a name (architecture, alias, `hf-hub:org/repo`, `local-dir:PATH`) and a `pretrained`
 value into a `Source` (sources.py), builds the native model, and fits the source's checkpoint to it in one
 step for every layout (`fit_checkpoint`): convert to timm's names (layouts.py), resample the patch and position
-embeddings, replace the head. What that step did is `model.load_report`. Anything else that does not fit is an
-error that names the keys: never a silent partial load.
+embeddings, replace the head. What that step did is `model.load_report`. A peft adapter is applied to its base
+model (adapters.py). Anything else that does not fit is an error that names the keys: never a silent partial load.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from ..errors import VitftError
 from ..models.archs import get_arch
 from ..models.pos_embed import resize_pos_embed
 from ..models.vit import MODEL_DEFAULTS, VisionTransformer, differing_args
+from .adapters import adapter_files, apply_saved_adapter, read_adapter
 from .layouts import Checkpoint
 from .preprocessing import preprocessing
 from .refs import RefKind, parse_ref
@@ -47,15 +48,35 @@ def create_model(
     pretrained: Pretrained = False,
     num_classes: Optional[int] = None,
     img_size: Optional[Union[int, tuple[int, int]]] = None,
+    merge: bool = True,
     **overrides,
 ) -> VisionTransformer:
     """Build a native ViT by name, optionally with weights; see the module docstring for sources.
+
+    A peft adapter (a folder or Hub repo with adapter_config.json) is applied to its base model, built with the
+    base weights; merged into them, or with peft's layers in place when `merge` is False.
 
     `model.pretrained_cfg` carries the weights' preprocessing (mean, std, interpolation, crop_pct,
     input_size) and label names; `model.model_args` the hyperparameters that differ from the
     architecture's defaults (what an exported config.json records).
     """
-    return build_model(resolve(name, pretrained), num_classes, img_size, **overrides)
+    try:
+        source = resolve(name, pretrained)
+    except VitftError:
+        adapter = adapter_files(str(name))  # not a model: an adapter?
+        if adapter is None:
+            raise
+        return _adapted_model(str(name), adapter, merge, num_classes, img_size, overrides)
+    return build_model(source, num_classes, img_size, **overrides)
+
+
+def _adapted_model(name: str, config_file, merge: bool, num_classes: Optional[int], img_size, overrides: dict):
+    """A saved adapter on its base model, the head sized by the adapter's."""
+    base, classes = read_adapter(config_file)
+    model = create_model(base, pretrained=True, num_classes=num_classes or classes, img_size=img_size, **overrides)
+    model = apply_saved_adapter(model, config_file, merge)
+    model.pretrained_cfg["source"] = name
+    return model
 
 
 def build_model(source: Source, num_classes: Optional[int] = None,
