@@ -139,10 +139,10 @@ def _env() -> dict:
 KILL_AT = """
 import os, signal, sys
 from vit_finetune.engine.trainer import Trainer
-step = Trainer.optimizer_step
+step, kill_at = Trainer.optimizer_step, int(sys.argv[1])
 def step_then_die(self):
     lr = step(self)
-    if self.state.global_step == int(sys.argv[1]):
+    if self.state.global_step == kill_at:
         os.kill(os.getpid(), signal.SIGKILL)
     return lr
 Trainer.optimizer_step = step_then_die
