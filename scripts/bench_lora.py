@@ -82,7 +82,7 @@ def main() -> None:
     print(f"{args.arch} at {args.img_size} px, batch {args.batch}, AdamW, fp32, random weights")
     print(f"{'':<22}" + "".join(f"{name:>16}" for name in rows))
     for key, label, fmt in (("trainable", "trainable params", "{:,.0f}"), ("peak_rss_gb", "peak RSS (GB)", "{:.2f}"),
-                            ("checkpoint_mb", "checkpoint (MB)", "{:.1f}"), ("img_s", "img/s (best step)", "{:.1f}")):
+                            ("checkpoint_mb", "checkpoint (MB)", "{:.1f}"), ("img_s", "img/s (best step)", "{:.2f}")):
         print(f"{label:<22}" + "".join(f"{fmt.format(row[key]):>16}" for row in rows.values()))
     print(cpu_line())
 
