@@ -27,7 +27,6 @@ from .activations import RECOMPUTE, ActivationBuffer, plan_storage, row_shape
 from .distributed import all_sum, average_gradients
 from .features import FeatureSet, extract_features
 from .loop import Steps, timed
-from .state import rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from ..progress import ProgressBar
@@ -320,9 +319,9 @@ def cached_rows(trainer: Trainer) -> int:
 def cache_rows(trainer: Trainer, progress: ProgressBar, what: str, use: str, encode=None,
                into: Optional[torch.Tensor] = None) -> tuple[FeatureSet, Optional[FeatureSet]]:
     """`encode`'s rows (pooled features by default) of the training images and the validation slice, into `into`
-    when given (training rows first). The random states are kept as they were: a resume, which runs this pass
-    again where the run stopped, draws what the uninterrupted run drew."""
-    cfg, start, rng = trainer.cfg, time.perf_counter(), rng_state()
+    when given (training rows first). The pass draws from seeded generators of its own, not the run's random
+    state: a resume, which runs it again where the run stopped, continues as the uninterrupted run does."""
+    cfg, start = trainer.cfg, time.perf_counter()
     views = cfg.feature_views
     dataset = trainer.train_set.with_transform(trainer.eval_tf if views == 1 else trainer.train_tf,
                                                return_index=True)
@@ -342,7 +341,6 @@ def cache_rows(trainer: Trainer, progress: ProgressBar, what: str, use: str, enc
                                lambda done, _: progress.update(task, completed=train_images + done),
                                trainer.check_interrupt, encode, None if into is None else into[len(train):])
     progress.remove_task(task)
-    set_rng_state(rng)
     seconds = time.perf_counter() - start
     images = len(train) + (len(val) if val is not None else 0)
     counts = all_sum([images, seconds], trainer.ddp, trainer.device)
