@@ -83,13 +83,18 @@ class TrainConfig:
     freeze_backbone: bool = option(False, panel=OPTIMISATION, help="Linear probe: train the head only.")
     unfreeze_after: Optional[int] = option(None, panel=OPTIMISATION, when_none="never",
                                            help="With --freeze-backbone: train everything from this epoch.")
-    feature_views: int = option(1, panel=OPTIMISATION, help="With --freeze-backbone: compute the pooled features "
-                                "once, for N views of each image (1: un-augmented; 0: recompute every epoch), and "
-                                "train the head on them.")
+    feature_views: int = option(1, panel=OPTIMISATION, help="With --freeze-backbone (or --train-blocks): compute "
+                                "the pooled features (the frozen blocks' activations) once, for N views of each "
+                                "image (1: un-augmented; 0: recompute every epoch), and train on them.")
     head_lr: Optional[float] = option(None, panel=OPTIMISATION, when_none="2.5e-2 (a fresh linear head on frozen "
                                       "features needs far more than fine-tuning's --lr)",
                                       help="Base learning rate per 512 images while the backbone is frozen, scaled "
                                       "by the effective batch as --lr is.")
+    train_blocks: Optional[int] = option(
+        None, panel=OPTIMISATION, metavar="N", when_none="every block",
+        help="Train only the top N transformer blocks, the final norm and the head (0: the head alone, as "
+        "--freeze-backbone; the model's depth: everything). The frozen lower part's activations are computed once, "
+        "for --feature-views views of each image, and each step runs the top N blocks alone.")
     max_steps_per_epoch: Optional[int] = option(None, panel=OPTIMISATION, when_none="no cap", hyperparameter=False,
                                                 help="Cap the optimizer steps per epoch (quick looks, smoke tests).")
     patience: Optional[int] = option(None, panel=OPTIMISATION, when_none="never stop early", metavar="EPOCHS",

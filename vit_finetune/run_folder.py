@@ -4,7 +4,8 @@ A run folder holds the effective options (train_config.json), the best model (co
 loadable by timm and vitft, its config's "vitft" key saying what it was trained on; a LoRA run's with the adapter
 merged in, and the adapter itself in adapter/ as peft writes it), metrics.csv and curves.png,
 a resumable checkpoint (last/checkpoint.pt), tracker logs (tensorboard/, mlruns/) and, once evaluated,
-report.json. Nothing here imports torch at module level: the command line reads a run without it.
+report.json; while a run runs, scratch/ may hold cached activations too large for memory. Nothing here imports
+torch at module level: the command line reads a run without it.
 """
 from __future__ import annotations
 
@@ -229,6 +230,38 @@ class RunFolder:
 
     def card_images(self) -> tuple[str, ...]:
         return tuple(name for name in CARD_IMAGES if (self.path / name).is_file())
+
+    # -- scratch: large files a run needs while it runs, and deletes when it ends
+    @property
+    def scratch_dir(self) -> Path:
+        return self.path / "scratch"
+
+    def scratch_tensor(self, name: str, shape: tuple[int, ...], dtype):
+        """A tensor memory-mapped to scratch/`name` (created, or replaced when a killed run left one): data larger
+        than memory, paged in and out by the OS. Free it with remove_scratch(name) once it is dropped."""
+        import math
+
+        import torch
+
+        path = self.scratch_dir / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        return torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+
+    def scratch_space(self) -> int:
+        """Bytes free on the disk that scratch/ is (or would be) on."""
+        import shutil
+
+        folder = self.path.resolve()
+        while not folder.exists():
+            folder = folder.parent
+        return shutil.disk_usage(folder).free
+
+    def remove_scratch(self, name: str) -> None:
+        """Delete scratch/`name`, and scratch/ once empty (a mapping still open keeps its pages until dropped)."""
+        (self.scratch_dir / name).unlink(missing_ok=True)
+        if self.scratch_dir.is_dir() and not any(self.scratch_dir.iterdir()):
+            self.scratch_dir.rmdir()
 
     # -- report.json
     def write_report(self, text: str) -> None:

@@ -136,6 +136,13 @@ def check_config(cfg: TrainConfig) -> None:
         (cfg.unfreeze_after is None or 0 < cfg.unfreeze_after < cfg.epochs,
          f"--unfreeze-after must be between 1 and --epochs - 1 ({cfg.epochs - 1}), got {cfg.unfreeze_after}"),
         (cfg.feature_views >= 0, "--feature-views must be 0 (no cached features) or more"),
+        (cfg.train_blocks is None or cfg.train_blocks >= 0, "--train-blocks must be 0 (the head alone) or more"),
+        (cfg.train_blocks is None or not cfg.freeze_backbone or cfg.unfreeze_after is not None,
+         "--train-blocks with --freeze-backbone needs --unfreeze-after K: the head trains alone until epoch K, "
+         "then the top blocks"),
+        (cfg.train_blocks != 0 or cfg.unfreeze_after is None,
+         "--train-blocks 0 trains the head alone, so nothing unfreezes; drop --unfreeze-after, or train 1 or more "
+         "blocks"),
         (cfg.head_lr is None or cfg.head_lr > 0, "--head-lr must be positive"),
         (not (cfg.mixup or cfg.cutmix) or cfg.batch_size % 2 == 0, "mixup/cutmix need an even --batch-size"),
         (cfg.patience is None or cfg.patience >= 1, "--patience must be at least 1 epoch"),

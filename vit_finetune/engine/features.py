@@ -4,6 +4,8 @@ While the backbone is frozen, every epoch would push the same images through the
 `extract_features` runs the backbone once over a loader (under the run's autocast) and keeps the pooled
 features, what `VisionTransformer.classify` reads, in memory; `FeatureSet.batches` then serves them shuffled,
 as a DataLoader serves images. Memory is small next to the images: 384 floats (1.5 kB) per image for a ViT-S.
+Partial fine-tuning keeps the token activations of the frozen lower blocks the same way (`encode`), in a buffer
+it allocates (`into`).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ ProgressFn = Callable[[int, int], None]  # (images done, total)
 class FeatureSet:
     """Pooled features and their labels; the rows of each augmented view of the data follow one another."""
 
-    features: torch.Tensor  # (rows, dim) or (rows, 2, dim) for a distilled model's two tokens; float32
+    features: torch.Tensor  # (rows, dim), (rows, 2, dim) for a distilled model's two tokens, or (rows, tokens, dim)
     labels: torch.Tensor  # (rows,), int64
     view_sizes: list[int] = field(default_factory=list)  # rows per view; [] = one view
 
@@ -57,10 +59,13 @@ class FeatureSet:
 
 @torch.inference_mode()
 def extract_features(model: nn.Module, loader, device: torch.device, precision: str, views: int = 1,
-                     progress: Optional[ProgressFn] = None,
-                     check_stop: Optional[Callable[[], None]] = None) -> FeatureSet:
+                     progress: Optional[ProgressFn] = None, check_stop: Optional[Callable[[], None]] = None,
+                     encode: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                     into: Optional[torch.Tensor] = None) -> FeatureSet:
     """Pool the backbone's output for every image of `loader`, `views` passes over it. `check_stop` is called
-    between batches and raises to end the pass (a signal: the run checkpoints and stops).
+    between batches and raises to end the pass (a signal: the run checkpoints and stops). `encode` replaces the
+    pooled output (images -> rows); `into`, a buffer of at least `views` x len(loader.sampler) rows, receives the
+    rows in its own dtype (else they are kept in float32).
 
     `loader` must not shuffle. It yields (images, labels) or, from an ImageDataset with return_index,
     (images, labels, used): an image that failed to decode was replaced by another (used is not the index
@@ -68,7 +73,8 @@ def extract_features(model: nn.Module, loader, device: torch.device, precision: 
     """
     was_training = model.training
     model.eval()
-    feats, labels, view_sizes = [], [], []
+    encode = encode or (lambda images: model.pool(model.forward_features(images)))
+    feats, labels, view_sizes, filled = [], [], [], 0
     total, done = views * len(loader.sampler), 0
     try:
         for _ in range(views):
@@ -77,8 +83,13 @@ def extract_features(model: nn.Module, loader, device: torch.device, precision: 
                 if check_stop:
                     check_stop()
                 with compute_context(device, precision):
-                    pooled = model.pool(model.forward_features(images.to(device, non_blocking=True)))
-                feats.append(pooled.float().cpu()[keep])
+                    rows_out = encode(images.to(device, non_blocking=True))
+                if into is None:
+                    feats.append(rows_out.float().cpu()[keep])
+                else:
+                    kept = rows_out[keep.to(rows_out.device)]
+                    into[filled:filled + len(kept)] = kept.to(into.dtype).cpu()
+                    filled += len(kept)
                 labels.append(targets[keep])
                 rows += int(keep.sum())
                 done += len(targets)
@@ -87,4 +98,4 @@ def extract_features(model: nn.Module, loader, device: torch.device, precision: 
             view_sizes.append(rows)
     finally:
         model.train(was_training)
-    return FeatureSet(torch.cat(feats), torch.cat(labels).long(), view_sizes)
+    return FeatureSet(torch.cat(feats) if into is None else into[:filled], torch.cat(labels).long(), view_sizes)

@@ -1,13 +1,15 @@
 """The phases of a run, as strategies: what trains, on which batches, and how often a checkpoint is written.
 
 A run is a plan of phases (`PhasePlan`): full fine-tuning, or a head phase with the backbone frozen first (a
-linear probe, or fastai's fine_tune when --unfreeze-after follows it with full fine-tuning). A phase says which
-parameters train (`enter`), makes each epoch's `Steps` and validation logits, and throttles checkpoints; the head
-phase on cached features also owns the cache. Partial fine-tuning on cached activations plugs in as a phase.
+linear probe, or fastai's fine_tune when --unfreeze-after follows it with full fine-tuning), or partial fine-tuning
+(--train-blocks N: the top N blocks, the final norm and the head), after a head phase or alone. A phase says which
+parameters train (`enter`), makes each epoch's `Steps` and validation logits, and throttles checkpoints; the phases
+on cached features (pooled, or the frozen blocks' token activations) also own their cache.
 """
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator
 from itertools import islice
@@ -18,9 +20,11 @@ import torch.nn as nn
 
 from ..config import TrainConfig
 from ..data.loaders import build_loader, requested_batches
+from ..errors import VitftError
 from ..progress import format_rate
 from ..runtime import compute_context
 from ..weights.adapters import adapter_keys, is_adapted
+from .activations import RECOMPUTE, ActivationBuffer, plan_storage, row_shape
 from .distributed import all_sum, average_gradients
 from .features import FeatureSet, extract_features
 from .loop import Steps, timed
@@ -35,23 +39,48 @@ CHECKPOINT_INTERVAL_S = 60  # the most seconds of head-phase epochs on cached fe
 Logits = Iterator[tuple[torch.Tensor, torch.Tensor]]  # (logits, targets) batches
 
 
-def set_backbone_trainable(model: nn.Module, trainable: bool) -> None:
-    """The head trains; the backbone too when `trainable` (with LoRA: its adapter, never the frozen weights)."""
+HEAD = ("head.", "head_dist.", "fc_norm.")  # what reads pooled features: a linear probe's trainable parameters
+TOP = ("norm.", "attn_pool.")  # what partial fine-tuning trains besides the top blocks and the head
+
+
+def trains(name: str, depth: int, top_blocks: Optional[int]) -> bool:
+    """Whether parameter `name` trains with the top `top_blocks` of `depth` blocks (None or depth: all of them;
+    0: the head alone). The patch and position embeddings and the prefix tokens train only when everything does."""
+    if top_blocks is None or top_blocks >= depth:
+        return True
+    if name.startswith(HEAD):
+        return True
+    if top_blocks == 0:
+        return False
+    return name.startswith(TOP) or (name.startswith("blocks.") and int(name.split(".")[1]) >= depth - top_blocks)
+
+
+def set_trainable(model: nn.Module, top_blocks: Optional[int]) -> None:
+    """requires_grad by trains(); with LoRA, of the adapter's parameters alone, never the frozen weights."""
+    depth = len(model.blocks)
     adapter = set(adapter_keys(model)) if is_adapted(model) else None
     for name, param in model.named_parameters():
-        param.requires_grad = (trainable or name.startswith(("head.", "head_dist.", "fc_norm."))) and (
-            adapter is None or name in adapter)
+        param.requires_grad = trains(name, depth, top_blocks) and (adapter is None or name in adapter)
 
 
 class FineTuning:
-    """Every parameter trains, on augmented images, through the DDP/compile wrapper."""
+    """Every parameter trains (or, with `train_blocks`, the top blocks alone), on augmented images, through the
+    DDP/compile wrapper: the frozen lower blocks then run at every step, without autograd."""
 
     backbone_trainable = True
-    starts = "unfreezing the backbone"  # what the log says when a run enters this phase after another
     step_checkpoints = True  # whether --save-every applies (not to epochs of seconds)
 
+    def __init__(self, train_blocks: Optional[int] = None):
+        self.train_blocks = train_blocks  # None: every block
+
+    @property
+    def starts(self) -> str:
+        """What the log says when a run enters this phase after another."""
+        return "unfreezing the backbone" if self.train_blocks is None else f"unfreezing the top {self.train_blocks} " \
+            f"block{'s' * (self.train_blocks != 1)}"
+
     def enter(self, model: nn.Module) -> None:
-        set_backbone_trainable(model, self.backbone_trainable)
+        set_trainable(model, self.train_blocks if self.backbone_trainable else 0)
 
     def leave(self) -> None:
         """The phase is over (the backbone trains next): drop what only it could use."""
@@ -83,6 +112,7 @@ class HeadOnFeatures(FrozenBackbone):
     step_checkpoints = False
 
     def __init__(self):
+        super().__init__()
         self.features: Optional[tuple[FeatureSet, Optional[FeatureSet]]] = None  # (train, val) on this rank
         self._checkpointed = time.monotonic()  # when the last checkpoint was written (or the run started)
 
@@ -95,12 +125,8 @@ class HeadOnFeatures(FrozenBackbone):
         return feature_steps(trainer, self.features[0])
 
     def logits(self, trainer: Trainer, model: nn.Module) -> Logits:
-        if self.features is None or self.features[1] is None:  # a rank without validation images
-            return
-        for pooled, targets in self.features[1].batches(trainer.cfg.batch_size):
-            with compute_context(trainer.device, trainer.precision):
-                logits = getattr(model, "module", model).classify(pooled.to(trainer.device))
-            yield logits, targets.to(trainer.device)
+        if self.features is not None:
+            yield from cached_logits(trainer, self.features[1], getattr(model, "module", model).classify)
 
     def wants_checkpoint(self, ends_phase: bool) -> bool:
         # a crash loses those seconds, and the features are computed again on resume anyway
@@ -110,20 +136,73 @@ class HeadOnFeatures(FrozenBackbone):
         self._checkpointed = time.monotonic()
 
 
-class PhasePlan:
-    """The phases of a run by first epoch: fine-tuning alone, or a head phase then fine-tuning."""
+class PartialOnActivations(FineTuning):
+    """The top `train_blocks` blocks, the final norm and the head train on the frozen lower blocks' token
+    activations, computed once on first use (for --feature-views views of each training image, and the validation
+    images): each step runs the top blocks alone. Where the activations fit neither in memory nor on disk, the
+    frozen blocks run at every step instead (FineTuning with them frozen)."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, train_blocks: int):
+        super().__init__(train_blocks)
+        self.cache: Optional[tuple[ActivationBuffer, FeatureSet, Optional[FeatureSet]]] = None  # (buffer, train, val)
+        self.recompute = False  # the activations did not fit
+
+    def start(self, model: nn.Module) -> int:
+        """The first trained block: activations are cached at its input."""
+        return len(model.blocks) - self.train_blocks
+
+    def leave(self) -> None:
+        if self.cache is not None:
+            buffer, self.cache = self.cache[0], None
+            buffer.release()
+
+    def steps(self, trainer: Trainer, progress: ProgressBar) -> Steps:
+        if self.cache is None and not self.recompute:
+            self.cache = cache_activations(trainer, progress, self.start(trainer.model))
+            self.recompute = self.cache is None
+        if self.cache is None:
+            return image_steps(trainer)
+        start, model = self.start(trainer.model), trainer.model
+        return cached_steps(trainer, self.cache[1], lambda tokens: model.forward_from(tokens.float(), start),
+                            trainer.cfg.batch_size, trainer.cfg.accum_steps)
+
+    def logits(self, trainer: Trainer, model: nn.Module) -> Logits:
+        if self.cache is None:  # recomputing, or asked after the run (the cache is gone)
+            yield from image_logits(trainer, model)
+            return
+        start, model = self.start(trainer.model), getattr(model, "module", model)
+        yield from cached_logits(trainer, self.cache[2], lambda tokens: model.forward_from(tokens.float(), start))
+
+
+class PhasePlan:
+    """The phases of a run by first epoch: fine-tuning (full, or the top --train-blocks) alone, or a head phase then
+    fine-tuning; --train-blocks 0 is the head phase alone, as --freeze-backbone."""
+
+    def __init__(self, cfg: TrainConfig, depth: int):
+        if cfg.train_blocks is not None and not 0 <= cfg.train_blocks <= depth:
+            raise VitftError(f"--train-blocks {cfg.train_blocks} is not a number of this model's {depth} blocks; "
+                             f"give 0 (the head alone) to {depth} (everything)")
+        # None: every block; the model's depth is full fine-tuning too
+        self.train_blocks = cfg.train_blocks if cfg.train_blocks != depth else None
         self.head_epochs = 0  # epochs with the backbone frozen
         phases: list[tuple[int, FineTuning]] = []
-        if cfg.freeze_backbone:
+        if cfg.freeze_backbone or self.train_blocks == 0:
             self.head_epochs = cfg.epochs if cfg.unfreeze_after is None else cfg.unfreeze_after
             phases.append((0, HeadOnFeatures() if cfg.feature_views > 0 else FrozenBackbone()))
-        phases.append((self.head_epochs, FineTuning()))  # past a linear probe's end: validation on images
+        if self.train_blocks and cfg.feature_views > 0:
+            phases.append((self.head_epochs, PartialOnActivations(self.train_blocks)))
+        else:  # past a linear probe's end: validation on images
+            phases.append((self.head_epochs, FineTuning(self.train_blocks or None)))
         self.phases = phases
 
     def at(self, epoch: int) -> FineTuning:
         return next(phase for first, phase in reversed(self.phases) if epoch >= first)
+
+    def freeze_for_the_run(self, model: nn.Module) -> None:
+        """Freeze what no phase trains (the lower blocks under --train-blocks) before the optimizer is built, so
+        that its groups (and weight decay) leave them out; what a later phase trains stays in them."""
+        if self.train_blocks:
+            set_trainable(model, self.train_blocks)
 
 
 # ---- batch sources --------------------------------------------------------------------------------
@@ -156,19 +235,37 @@ def image_steps(trainer: Trainer) -> Steps:
 
 def feature_steps(trainer: Trainer, features: FeatureSet) -> Steps:
     """Cached features through the head. One step takes a whole effective batch (features need no accumulation),
-    so the schedule keeps its steps; the head runs outside DDP's wrapper, so its gradients are averaged here."""
+    so the schedule keeps its steps."""
+    cfg = trainer.cfg
+    return cached_steps(trainer, features, trainer.model.classify, cfg.batch_size * cfg.accum_steps, 1)
+
+
+def cached_steps(trainer: Trainer, features: FeatureSet, head, batch_size: int, accum_steps: int) -> Steps:
+    """Cached rows through `head` (rows -> logits), `accum_steps` batches a step, in an order drawn from (seed,
+    epoch) alone (a resume repeats it). No mixup: it mixes images. `head` runs outside DDP's wrapper, so the
+    gradients are averaged here."""
     cfg, epoch = trainer.cfg, trainer.state.epoch
     trainer.model.train()
     generator = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
-    batches = features.view(epoch).batches(cfg.batch_size * cfg.accum_steps, generator, trainer.steps_per_epoch)
+    batches = features.view(epoch).batches(batch_size, generator, trainer.steps_per_epoch * accum_steps)
 
-    def forward(pooled: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with compute_context(trainer.device, trainer.precision):
-            return trainer.head_loss_fn(trainer.model.classify(pooled.to(trainer.device)), targets.to(trainer.device))
+            return trainer.head_loss_fn(head(rows.to(trainer.device, non_blocking=True)), targets.to(trainer.device))
 
-    first = trainer.state.step_in_epoch  # steps done before the run was interrupted
-    return Steps(islice(batches, first, None), forward, first,
+    first = trainer.state.step_in_epoch * accum_steps  # batches done before the run was interrupted
+    return Steps(islice(batches, first, None), forward, first, accum_steps,
                  sync_gradients=lambda: average_gradients(trainer.model, trainer.ddp))
+
+
+def cached_logits(trainer: Trainer, features: Optional[FeatureSet], head) -> Logits:
+    """`head`'s logits on this rank's cached validation rows (none on a rank without validation images)."""
+    if features is None:
+        return
+    for rows, targets in features.batches(trainer.cfg.batch_size):
+        with compute_context(trainer.device, trainer.precision):
+            logits = head(rows.to(trainer.device))
+        yield logits, targets.to(trainer.device)
 
 
 def image_logits(trainer: Trainer, model: nn.Module) -> Logits:
@@ -187,6 +284,46 @@ def image_logits(trainer: Trainer, model: nn.Module) -> Logits:
 def cache_features(trainer: Trainer, progress: ProgressBar) -> tuple[FeatureSet, Optional[FeatureSet]]:
     """The frozen backbone's pooled features of this rank's training images (those the capped epochs use, with
     --max-steps-per-epoch) and validation slice (all of it: validation stays a real evaluation)."""
+    return cache_rows(trainer, progress, "pooled features", "the head trains on them")
+
+
+def cache_activations(trainer: Trainer, progress: ProgressBar,
+                      start: int) -> Optional[tuple[ActivationBuffer, FeatureSet, Optional[FeatureSet]]]:
+    """The tokens that enter blocks[start], for the images cache_features would pool, stored as plan_storage says;
+    None (on every rank) where they fit nowhere on some rank: the frozen blocks then run at every step."""
+    ddp, model = trainer.ddp, trainer.model
+    storage = plan_storage(cached_rows(trainer), row_shape(model), trainer.precision, trainer.folder, ddp.world)
+    if all_sum([float(storage.where == RECOMPUTE)], ddp, trainer.device)[0]:
+        if ddp.main:
+            log.warning("activations of the frozen blocks: %s", storage.describe())
+        return None
+    buffer = ActivationBuffer(storage, trainer.folder, ddp.rank)
+    if ddp.main and trainer.mixup is not None:
+        log.warning("mixup/cutmix mix images, not cached activations: the top blocks train without them "
+                    "(--feature-views 0 runs the frozen blocks at every step, with them)")
+    trained = len(model.blocks) - start
+    try:
+        train, val = cache_rows(trainer, progress, "activations", f"the top {trained} block{'s' * (trained != 1)} "
+                                f"train on them ({storage.describe()}{' per process' * ddp.enabled})",
+                                lambda images: model.forward_tokens(images, start), buffer.tensor)
+    except BaseException:
+        buffer.release()
+        raise
+    return buffer, train, val
+
+
+def cached_rows(trainer: Trainer) -> int:
+    """The rows this rank caches: --feature-views views of its training images, and its validation images."""
+    subset = capped_feature_subset(trainer)
+    train = len(subset) if subset is not None else math.ceil(len(trainer.train_set) / trainer.ddp.world)
+    return trainer.cfg.feature_views * train + (len(trainer.val_set) if trainer.val_set is not None else 0)
+
+
+def cache_rows(trainer: Trainer, progress: ProgressBar, what: str, use: str, encode=None,
+               into: Optional[torch.Tensor] = None) -> tuple[FeatureSet, Optional[FeatureSet]]:
+    """`encode`'s rows (pooled features by default) of the training images and the validation slice, into `into`
+    when given (training rows first). The pass draws from seeded generators of its own, not the run's random
+    state: a resume, which runs it again where the run stopped, continues as the uninterrupted run does."""
     cfg, start = trainer.cfg, time.perf_counter()
     views = cfg.feature_views
     dataset = trainer.train_set.with_transform(trainer.eval_tf if views == 1 else trainer.train_tf,
@@ -197,25 +334,26 @@ def cache_features(trainer: Trainer, progress: ProgressBar) -> tuple[FeatureSet,
                           seed=cfg.seed, indices=subset)
     train_images = views * len(loader.sampler)
     val_images = len(trainer.val_set) if trainer.val_set is not None else 0
-    task = progress.add_task("pooled features", total=train_images + val_images, info="", unit=" images")
+    task = progress.add_task(what, total=train_images + val_images, info="", unit=" images")
     train = extract_features(trainer.model, loader, trainer.device, trainer.precision, views,
-                             lambda done, _: progress.update(task, completed=done), trainer.check_interrupt)
+                             lambda done, _: progress.update(task, completed=done), trainer.check_interrupt,
+                             encode, into)
     val = None
     if trainer.val_set is not None:
         val = extract_features(trainer.model, trainer.val_loader, trainer.device, trainer.precision, 1,
                                lambda done, _: progress.update(task, completed=train_images + done),
-                               trainer.check_interrupt)
+                               trainer.check_interrupt, encode, None if into is None else into[len(train):])
     progress.remove_task(task)
     seconds = time.perf_counter() - start
     images = len(train) + (len(val) if val is not None else 0)
     counts = all_sum([images, seconds], trainer.ddp, trainer.device)
     if trainer.ddp.main:
         if subset is not None:
-            log.info("features for %d of %d training images (--max-steps-per-epoch %d: what its steps use)",
+            log.info("%s for %d of %d training images (--max-steps-per-epoch %d: what its steps use)", what,
                      len(subset) * trainer.ddp.world, len(trainer.train_set), cfg.max_steps_per_epoch)
-        log.info("pooled features of %d images (%d view(s) of the training images, and the validation ones) "
-                 "computed once in %.0fs (%s img/s); the head trains on them", counts[0], views, seconds,
-                 format_rate(counts[0] / max(seconds, 1e-9)))
+        log.info("%s of %d images (%d view(s) of the training images, and the validation ones) computed once in "
+                 "%.0fs (%s img/s); %s", what, counts[0], views, seconds, format_rate(counts[0] / max(seconds, 1e-9)),
+                 use)
     return train, val
 
 

@@ -1,11 +1,13 @@
-"""The start-up lines of a run: where the weights came from, the data, the device and precision, the optimisation
-and the head phase, said once before training starts."""
+"""The start-up lines of a run: where the weights came from, the data, the device and precision, the optimisation,
+the head phase and partial fine-tuning, said once before training starts."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from ..weights.adapters import is_adapted, trainable_counts
 from ..weights.loading import describe_weights
+from .activations import RECOMPUTE, plan_storage, row_shape
+from .phases import cached_rows, trains
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -37,6 +39,8 @@ def startup_lines(trainer: Trainer) -> list[str]:
     lines.append(_trainable_line(trainer))
     if trainer.plan.head_epochs:
         lines.append(_head_phase_line(trainer))
+    if trainer.plan.train_blocks:
+        lines.append(_partial_line(trainer))
     if getattr(trainer.model, "head_dist", None) is not None:
         lines.append("distilled model (DeiT): no teacher, so both heads (head, head_dist) are trained on the "
                      "labels through their mean, the model's output, as timm does")
@@ -69,5 +73,27 @@ def _head_phase_line(trainer: Trainer) -> str:
         views = "one un-augmented view" if cfg.feature_views == 1 else f"{cfg.feature_views} augmented views"
         how = (f"its pooled features ({views} of each image) are computed once and the head trains on them"
                + (" (mixup/cutmix start with the backbone)" if trainer.mixup is not None else ""))
-    then = "" if head_epochs == cfg.epochs else "; then everything trains, with a schedule of its own"
+    after = f"the top {trainer.plan.train_blocks} blocks train" if trainer.plan.train_blocks else "everything trains"
+    then = "" if head_epochs == cfg.epochs else f"; then {after}, with a schedule of its own"
     return f"head phase, {epochs}: backbone frozen, head lr {trainer.head_lr:.3g}; {how}{then}"
+
+
+def _partial_line(trainer: Trainer) -> str:
+    """What trains under --train-blocks, and where the frozen blocks' activations are to be cached."""
+    cfg, model, blocks = trainer.cfg, trainer.model, trainer.plan.train_blocks
+    depth, head_epochs = len(model.blocks), trainer.plan.head_epochs
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for name, p in model.named_parameters() if trains(name, depth, blocks))
+    epochs = f"epochs {head_epochs + 1}-{cfg.epochs}" if head_epochs else "every epoch"
+    what = (f"partial fine-tuning, {epochs}: the top {blocks} of {depth} blocks, the final norm and the head train "
+            f"({trained / 1e6:.3g}M of {total / 1e6:.3g}M parameters, {100 * trained / total:.1f}%)")
+    if cfg.feature_views == 0:
+        return f"{what}; the frozen blocks run at every step (--feature-views 0)"
+    storage = plan_storage(cached_rows(trainer), row_shape(model), trainer.precision, trainer.folder,
+                           trainer.ddp.world)
+    views = "one un-augmented view" if cfg.feature_views == 1 else f"{cfg.feature_views} augmented views"
+    cached = f"the frozen blocks' activations ({views} of each image, and the validation images)"
+    if storage.where == RECOMPUTE:
+        return f"{what}; the frozen blocks run at every step: {cached} would take {storage.size}, more than fits " \
+            "in memory or on disk"
+    return f"{what}; {cached} are computed once: {storage.describe()}{' per process' * trainer.ddp.enabled}"

@@ -86,8 +86,9 @@ class Trainer:
         if cfg.grad_checkpointing:
             self.model.set_grad_checkpointing(True)
 
-        self.plan = PhasePlan(cfg)
+        self.plan = PhasePlan(cfg, len(self.model.blocks))
         self._build_data(progress)
+        self.plan.freeze_for_the_run(self.model)
         self._build_optimization()
         self.state = TrainState(cfg, self.model, self.optimizer, self.scaler, self.ema)
         if resume_state is not None:
@@ -216,6 +217,7 @@ class Trainer:
                     interrupted = True
             status = "interrupted" if interrupted else "finished"
         finally:
+            self.phase.leave()  # a cache's memory and scratch file go now
             self.callbacks.on_run_end(self, status)
         return RunResult(self.folder.path, state.best_top1, state.best_epoch, state.epoch, interrupted, state.rows,
                          self.stop_reason)

@@ -225,13 +225,26 @@ class VisionTransformer(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Image -> normed token sequence (B, prefix + patches, C)."""
-        x = self.norm_pre(self._pos_embed(self.patch_embed(x)))
+        return self.norm(self.forward_tokens(x, len(self.blocks)))
+
+    def forward_tokens(self, x: torch.Tensor, stop: int) -> torch.Tensor:
+        """Image -> the tokens that enter blocks[stop] (B, prefix + patches, C): the embedding and the blocks
+        before `stop`. With forward_from, the split of forward() that partial fine-tuning caches at (a frozen
+        lower part's output, computed once)."""
+        return self._run_blocks(self.norm_pre(self._pos_embed(self.patch_embed(x))), 0, stop)
+
+    def forward_from(self, x: torch.Tensor, start: int, pre_logits: bool = False) -> torch.Tensor:
+        """The tokens that enter blocks[start] -> logits: the blocks from `start`, the final norm, pooling and
+        head. forward_from(forward_tokens(x, k), k) is forward(x) for any k in 0..depth."""
+        return self.forward_head(self.norm(self._run_blocks(x, start, len(self.blocks))), pre_logits)
+
+    def _run_blocks(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        blocks = self.blocks[start:stop]
         if self.grad_checkpointing and torch.is_grad_enabled():
-            for block in self.blocks:
+            for block in blocks:
                 x = checkpoint(block, x, use_reentrant=False)
-        else:
-            x = self.blocks(x)
-        return self.norm(x)
+            return x
+        return blocks(x)
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
         """The tokens the head reads: (B, D), or (B, 2, D) for the two heads of a distilled model."""
@@ -273,7 +286,6 @@ class VisionTransformer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
-
 
 
 MODEL_DEFAULTS = {name: p.default for name, p in inspect.signature(VisionTransformer.__init__).parameters.items()
