@@ -4,7 +4,8 @@
 the tar members that share a key: the image (jpg, jpeg, png or webp) and its label, `cls` (a class index) or
 `json` ({"label": index or name} or {"labels": [...]}, a list making the task multi-label), as timm's `wds`
 reader reads them. The class names come from classes.json or classes.txt beside the shards, or --label-names.
-Shards are split between DDP ranks and DataLoader workers (ShardStream), so a pass reads each shard once.
+Shards are split between DataLoader workers, and their samples between DDP ranks (ShardStream), so that a pass
+reads each image once.
 """
 from __future__ import annotations
 
@@ -91,40 +92,44 @@ def _class_file(first_shard: str) -> Optional[list[str]]:
 
 
 class ShardStream:
-    """Tar shards as a streams.RecordSource: shard i goes to slot i mod (processes x workers), so no two workers
-    of any rank read the same shard; a shuffled pass reorders the shards and draws samples from a buffer."""
+    """Tar shards as a streams.RecordSource. A rank's DataLoader workers take whole shards (shard i of the pass's
+    order goes to worker i mod workers); the ranks split each shard's samples (sample j of shard s goes to rank
+    (j + s) mod processes), so their shares differ by an image at most whatever the shards' sizes, and one epoch
+    of images // (batch x processes) steps reads each image once. Every rank reads every shard (decoding only its
+    own samples). A shuffled pass reorders the shards and draws samples from a buffer."""
 
     def __init__(self, urls: list[str], name: str):
         self.urls, self.name, self.length = urls, name, None
         self.classes: list[str] = []
-        self.skipped = 0
 
     def records(self, rank: int, world: int, shuffle_seed: Optional[int]) -> Iterator[Record]:
         from torch.utils.data import get_worker_info
 
         worker = get_worker_info()
         workers, worker_id = (worker.num_workers, worker.id) if worker else (1, 0)
-        slot, slots = rank * workers + worker_id, world * workers
-        urls = list(self.urls)
+        shards = list(enumerate(self.urls))
         if shuffle_seed is not None:
-            random.Random(shuffle_seed).shuffle(urls)
-        records = self._read(urls[slot::slots])
+            random.Random(shuffle_seed).shuffle(shards)
+        records = self._read(shards[worker_id::workers], rank, world)
         return _buffer_shuffled(records, shuffle_seed) if shuffle_seed is not None else records
 
-    def _read(self, urls: list[str]) -> Iterator[Record]:
+    def _read(self, shards: list[tuple[int, str]], rank: int, world: int) -> Iterator[Record]:
         from webdataset.tariterators import tarfile_samples
 
         def skip(error: Exception) -> bool:  # an empty or broken shard is skipped, with a warning
             log.warning("%s: skipped a shard that cannot be read (%s)", self.name, error)
             return True
 
-        for sample in tarfile_samples([{"url": u} for u in urls], handler=skip):
-            image = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
-            label = self._label(sample)
-            if image is None or label is None:
-                log.debug("%s: sample %s has no image or no label", self.name, sample.get("__key__"))
-                continue
-            yield f"{sample.get('__url__')}/{sample['__key__']}", image, label
+        for index, url in shards:
+            for j, sample in enumerate(tarfile_samples([{"url": url}], handler=skip)):
+                if (j + index) % world != rank:
+                    continue
+                image = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
+                label = self._label(sample)
+                if image is None or label is None:
+                    log.debug("%s: sample %s has no image or no label", self.name, sample.get("__key__"))
+                    continue
+                yield f"{url}/{sample['__key__']}", image, label
 
     def _label(self, sample: dict) -> Optional[Label]:
         if "cls" in sample:
