@@ -12,6 +12,7 @@ import sys
 import zlib
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -91,7 +92,8 @@ def sources(photos, tmp_path_factory) -> dict[str, Path]:
     (root / "wds" / "classes.txt").write_text("\n".join(SCENES) + "\n")
     return {"saved": root / "saved", "parquet": root / "parquet", "folder": folder,
             "shards": root / "shards" / "train-{000000..000002}.tar", "wds": root / "wds" / "train-{0..1}.tar",
-            "shards_val": root / "shards" / "val-{000000..000001}.tar", "wds_val": root / "wds" / "validation-{0..1}.tar"}
+            "shards_val": root / "shards" / "val-{000000..000001}.tar",
+            "wds_val": root / "wds" / "validation-{0..1}.tar"}
 
 
 def _splits(sources, kind: str, streaming: bool = False):
@@ -133,6 +135,28 @@ def test_a_streamed_epoch_reads_each_image_once_across_workers_and_ranks(sources
     assert sorted(two_workers) == expected
     ranks = [_epoch_ids(stream, batch=2, steps=3, epoch=0, rank=r, world=2, workers=2) for r in range(2)]
     assert sorted(ranks[0] + ranks[1]) == expected
+
+
+class _Batches:
+    """A stand-in loader whose workers hand over batches of these sizes (partial ones at the end of their shares)."""
+
+    batch_size = 4
+    dataset = SimpleNamespace(set_epoch=lambda *args: None, name="fake")
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = sizes
+
+    def __iter__(self):
+        start = 0
+        for size in self.sizes:
+            yield torch.arange(start, start + size), torch.arange(start, start + size) % 3
+            start += size
+
+
+def test_partial_batches_are_joined_into_full_ones():
+    batches = list(stream_batches(_Batches([3, 1, 3, 2, 3]), seed=0, epoch=0, count=3))
+    assert [images.tolist() for images, _ in batches] == [list(range(0, 4)), list(range(4, 8)), list(range(8, 12))]
+    assert [labels.tolist() for _, labels in batches][1] == [1, 2, 0, 1]
 
 
 def test_an_epoch_longer_than_the_data_starts_another_pass(sources, photos):
