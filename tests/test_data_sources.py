@@ -185,13 +185,16 @@ def test_streaming_writes_no_copy_of_the_dataset(sources, tiny_model_dir, tmp_pa
     assert list(cache.rglob("*.arrow"))
 
 
-def test_evaluate_reads_a_hugging_face_dataset(sources, tiny_model_dir, tmp_path):
+def test_evaluate_reads_a_hugging_face_dataset_and_shards(sources, tiny_model_dir, tmp_path):
     from vit_finetune.tasks.evaluate import evaluate
 
     run = tmp_path / "run"
     finetune(data=str(sources["saved"]), pretrained=str(tiny_model_dir), output=str(run), **QUICK)
     report = evaluate(run, str(sources["saved"]), device="cpu", precision="fp32", workers=0, output=None)
     assert report.num_images == len(SCENES) * VAL and report.data["split"] == "val"
+    on_shards = evaluate(run, str(sources["shards_val"]), device="cpu", precision="fp32", workers=0, output=None)
+    assert on_shards.num_images == len(SCENES) * VAL and on_shards.accuracy == report.accuracy
+    assert on_shards.predictions[0]["path"].startswith(str(sources["shards"].parent / "val-000000.tar"))
 
 
 @pytest.mark.slow  # torchrun: several seconds

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import zlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 import numpy as np
@@ -35,6 +36,26 @@ class RecordSource(Protocol):
 
     def records(self, rank: int, world: int, shuffle_seed: Optional[int]) -> Iterator[Record]:
         """This rank's records (of `world`), split between the DataLoader workers; shuffled with the seed."""
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """An image of a stream kept encoded in memory (an images.ImageSource) under the key that names it."""
+
+    name: str
+    data: bytes = field(repr=False)
+
+    def read_bytes(self) -> bytes:
+        return self.data
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def read_whole(source: RecordSource) -> list[tuple[EncodedImage, Label]]:
+    """Every record of a stream, in order, as a list (an evaluation set: small enough to hold encoded)."""
+    return [(EncodedImage(key, image if isinstance(image, bytes) else image.read_bytes()), label)
+            for key, image, label in source.records(0, 1, None)]
 
 
 def shuffle_seed(seed: int, epoch: int, pass_index: int) -> int:
