@@ -4,6 +4,7 @@ made from; one streamed epoch reads each training image once (2 loader workers, 
 bad input gets a one-line error or a counted skip."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -183,6 +184,39 @@ def test_streaming_writes_no_copy_of_the_dataset(sources, tiny_model_dir, tmp_pa
     assert not [p for p in cache.rglob("*") if p.is_file() and p.suffix != ".lock"]  # no arrow file, no download
     find_dataset(sources["parquet"])  # while reading it whole does write the arrow cache
     assert list(cache.rglob("*.arrow"))
+
+
+@pytest.mark.slow  # a subprocess: several seconds
+def test_streaming_from_the_hub_downloads_no_file_whole(sources, tiny_model_dir, tmp_path):
+    """A dataset repo on the local Hub look-alike, read with --streaming by `vitft finetune` in a subprocess
+    (huggingface_hub reads HF_ENDPOINT and HF_HOME at import): it trains, and HF_HOME holds no copy of any file."""
+    from hub_server import GITATTRIBUTES, HubServer, Repo, lfs_pointer
+    from test_hub import hub_env
+
+    parquet = sorted(sources["parquet"].glob("*.parquet"))
+    with HubServer() as hub:
+        files = {".gitattributes": GITATTRIBUTES}
+        for path in parquet:  # stored as LFS objects, as the Hub stores parquet files
+            data = path.read_bytes()
+            hub.lfs_objects[hashlib.sha256(data).hexdigest()] = data
+            files[f"data/{path.name}"] = lfs_pointer(hashlib.sha256(data).hexdigest(), len(data))
+        repo = Repo("user/photos", private=False)
+        repo.refs["main"] = hub._new_commit(repo, None, files, "parquet files")
+        hub.repos["user/photos"] = repo
+        home = tmp_path / "hf-home"
+        proc = subprocess.run([sys.executable, "-m", "vit_finetune", "finetune", "--data", "hf:user/photos",
+                               "--streaming", "--steps-per-epoch", "3", "--pretrained", str(tiny_model_dir),
+                               "--output", str(tmp_path / "run"), "--epochs", "1", "--batch-size", "4",
+                               "--workers", "0", "--device", "cpu", "--quiet"],
+                              env=dict(hub_env(hub.url, home), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert [r.route for r in hub.requests].count("lfs-download") >= len(parquet)
+    assert "hf:user/photos [Hugging Face dataset (streamed)" in proc.stdout + proc.stderr
+    rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
+    assert rows[1].split(",")[rows[0].split(",").index("val_images")] == str(len(SCENES) * VAL)
+    kept = [p for p in home.rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size for p in kept) < min(p.stat().st_size for p in parquet), kept
 
 
 def test_evaluate_reads_a_hugging_face_dataset_and_shards(sources, tiny_model_dir, tmp_path):
