@@ -280,6 +280,19 @@ def test_vitft_shards_writes_shards_that_train(sources, photos, tmp_path):
     assert id_labels(_stream_samples(splits.val)) == id_labels(photos["validation"])
 
 
+def test_lists_of_class_labels_make_the_task_multi_label(photos, tmp_path):
+    labels = datasets.Sequence(datasets.ClassLabel(names=SCENES))
+    features = datasets.Features({"image": datasets.Image(), "labels": labels})
+    rows = photos["train"][:6]
+    tags = [[label, (label + 1) % 3] if i % 2 else [label] for i, (_, label) in enumerate(rows)]
+    table = {"image": [{"bytes": p.read_bytes(), "path": p.name} for p, _ in rows], "labels": tags}
+    datasets.Dataset.from_dict(table, features=features).save_to_disk(str(tmp_path / "d"))
+    splits = find_dataset(tmp_path / "d", val_split=0.34)
+    assert splits.multi_label and splits.classes == SCENES
+    found = {content_id(image): label for image, label in splits.train + splits.val}
+    assert found == {content_id(p): tuple(sorted(t)) for (p, _), t in zip(rows, tags)}
+
+
 # ---- bad input -------------------------------------------------------------------------------------------------
 def test_a_dataset_without_an_image_column_is_an_error(tmp_path):
     features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=SCENES)})
