@@ -136,8 +136,8 @@ class ArrowImages:
     def __init__(self, dataset: Any, column: str, name: str):
         from datasets import Image
 
-        self.rows, self.column, self.name = dataset.select_columns([column]).cast_column(column, Image(
-            decode=False)), column, name
+        self.rows = dataset.select_columns([column]).cast_column(column, Image(decode=False))
+        self.column, self.name = column, name
 
     def read(self, index: int) -> bytes:
         cell = self.rows[index][self.column]

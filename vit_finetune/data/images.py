@@ -7,14 +7,13 @@ from __future__ import annotations
 import io
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, Union, runtime_checkable
+from typing import Protocol, Union
 
 import cv2
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 
-@runtime_checkable
 class ImageSource(Protocol):
     """An image that is not a file of its own; str() names it in warnings and reports."""
 
