@@ -125,7 +125,7 @@ def _epoch_ids(stream, batch: int, steps: int, epoch: int, rank: int = 0, world:
             for i, label in zip(images.flatten(), labels)]
 
 
-@pytest.mark.parametrize("kind", ["parquet", "shards"])
+@pytest.mark.parametrize("kind", [pytest.param("parquet", marks=pytest.mark.slow), "shards"])  # parquet: ~30 s
 def test_a_streamed_epoch_reads_each_image_once_across_workers_and_ranks(sources, photos, kind):
     expected = sorted((content_id(p), label) for p, label in photos["train"])
     stream = _splits(sources, kind, streaming=True).train
