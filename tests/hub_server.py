@@ -300,8 +300,6 @@ class _Handler(BaseHTTPRequestHandler):
                 return "commit", self._commit, (repo_id, rest[1])
             if len(rest) == 2 and rest[0] == "branch" and method == "POST":
                 return "branch", self._branch, (repo_id, rest[1])
-            if len(rest) == 2 and rest[0] == "paths-info" and method == "POST":
-                return "paths-info", self._paths_info, (repo_id, rest[1])
             if len(rest) >= 2 and rest[0] == "tree" and method == "GET":
                 return "tree", self._tree, (repo_id, rest[1], "/".join(rest[2:]))
             if len(rest) in (1, 2) and rest[0] == "xet-write-token":
