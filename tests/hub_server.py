@@ -17,6 +17,9 @@ X-Linked-Size. Xet storage is not served: its token endpoint answers 501, so a c
 
 Each request is recorded with its Authorization header; `fail` makes a route answer an HTTP error.
 
+Dataset repos answer the same routes under /api/datasets/ and /datasets/{repo}/resolve/ (one namespace with the
+models'). Downloads honour a `Range: bytes=a-b` header (206), as a streamed dataset's reads of parts of a file need.
+
 Endpoints: POST /api/repos/create, POST /api/validate-yaml, GET /api/whoami-v2,
 GET /api/models/{repo}[/revision/{rev}], POST /api/models/{repo}/preupload/{rev},
 POST /api/models/{repo}/commit/{rev}, POST /api/models/{repo}/branch/{branch},
@@ -285,7 +288,7 @@ class _Handler(BaseHTTPRequestHandler):
             return "validate", self._validate, ()
         if seg == ["api", "whoami-v2"] and method == "GET":
             return "whoami", self._whoami, ()
-        if len(seg) >= 4 and seg[:2] == ["api", "models"]:
+        if len(seg) >= 4 and seg[:2] in (["api", "models"], ["api", "datasets"]):
             repo_id, rest = "/".join(seg[2:4]), seg[4:]
             if not rest and method == "GET":
                 return "info", self._info, (repo_id, "main")
@@ -305,6 +308,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return "discussion", self._new_discussion, (repo_id,)
             if len(rest) == 2 and rest[0] == "discussions" and method == "GET":
                 return "discussion", self._discussion, (repo_id, rest[1])
+        if seg[0] == "datasets" and len(seg) >= 6:  # a dataset repo's files: /datasets/{repo}/resolve/...
+            seg = seg[1:]
         if len(seg) >= 5 and seg[2] == "resolve" and method in ("GET", "HEAD"):
             return "resolve", self._resolve, ("/".join(seg[:2]), seg[3], "/".join(seg[4:]), method)
         if len(seg) == 6 and seg[1].endswith(".git") and seg[2:5] == ["info", "lfs", "objects"] and method == "POST":
@@ -477,8 +482,21 @@ class _Handler(BaseHTTPRequestHandler):
             content = self.hub.lfs_objects.get(oid)
         if content is None:
             raise HubError(404, "no such LFS object")
-        self._send(200, content, {"ETag": f'"{oid}"'}, content_type="application/octet-stream",
-                   send_body=method == "GET")
+        self._send_ranged(content, {"ETag": f'"{oid}"'}, method)
+
+    def _send_ranged(self, content: bytes, headers: dict, method: str) -> None:
+        """The bytes, or the part a `Range: bytes=a-b` header asks for (206), as the Hub's storage serves them to
+        readers of parts of a file (a streamed dataset reads a parquet file's footer, then its row groups)."""
+        match = re.fullmatch(r"bytes=(\d*)-(\d*)", self.headers.get("Range", ""))
+        if match is None:
+            self._send(200, content, {**headers, "Accept-Ranges": "bytes"}, content_type="application/octet-stream",
+                       send_body=method == "GET")
+            return
+        first, last = match.groups()
+        start = int(first) if first else max(0, len(content) - int(last))
+        end = min(len(content) - 1, int(last)) if first and last else len(content) - 1
+        self._send(206, content[start:end + 1], {**headers, "Content-Range": f"bytes {start}-{end}/{len(content)}"},
+                   content_type="application/octet-stream", send_body=method == "GET")
 
     def _commit(self, repo_id: str, revision: str) -> None:
         self._need_token()
@@ -606,8 +624,7 @@ class _Handler(BaseHTTPRequestHandler):
                                   "X-Linked-Size": str(size), "Location": f"{hub.storage_url}/lfs-objects/{oid}"},
                        send_body=False)
             return
-        self._send(200, content, {"X-Repo-Commit": sha, "ETag": f'"{etag}"', "Accept-Ranges": "none"},
-                   content_type="application/octet-stream", send_body=method == "GET")
+        self._send_ranged(content, {"X-Repo-Commit": sha, "ETag": f'"{etag}"'}, method)
 
 
 def put_files(hub: HubServer, repo_id: str, files: dict[str, bytes], message: str = "edit on the Hub",

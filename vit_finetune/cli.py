@@ -283,6 +283,30 @@ def evaluate_cmd(
     print_report(report)
 
 
+@command("shards")
+def shards_cmd(
+    src: str = typer.Argument(..., help="Data in any form finetune's --data takes: a folder, hf:NAME, a "
+                              "save_to_disk or parquet dataset, tar shards."),
+    out: Path = typer.Argument(..., help="Folder for the shards (train-000000.tar, val-..., test-...) and "
+                               "classes.json."),
+    shard_size: int = typer.Option(1000, help="Images per shard."),
+    val_split: float = typer.Option(0.1, help="Validation fraction split off data without a validation split, "
+                                    "as finetune splits it."),
+    seed: int = typer.Option(0, help="Seed of that split."),
+    data_config: Optional[str] = typer.Option(None, help="With hf:NAME: the dataset's configuration."),
+    data_revision: Optional[str] = typer.Option(None, help="With hf:NAME: the dataset's branch, tag or commit."),
+    label_names: Optional[str] = typer.Option(None, help="Class names of integer labels, comma-separated."),
+):
+    """Write WebDataset tar shards from any data --data takes, for streamed training at scale."""
+    from .data.datasets import find_dataset
+    from .data.shards import write_shards
+
+    splits = find_dataset(src, val_split, seed, config=data_config, revision=data_revision, label_names=label_names)
+    for split, shards in write_shards(splits, out, shard_size).items():
+        pattern = f"{split}-{{000000..{len(shards) - 1:06d}}}.tar" if len(shards) > 1 else shards[0].name
+        typer.echo(f"{split}: {len(shards)} shard{'s' * (len(shards) != 1)}, {_printable(out / pattern)}")
+
+
 @command("predict")
 def predict_cmd(
     model: str = typer.Argument(..., help=MODEL_HELP),

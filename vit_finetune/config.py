@@ -35,9 +35,24 @@ def option(default: Any = dataclasses.MISSING, *, help: str, panel: Optional[str
 class TrainConfig:
     """Every option of a run; recipes (YAML) and CLI flags set these fields by name."""
 
-    data: str = option("", panel=DATA, help="Image folder: class folders, train/ + val/, or the Intel layout.",
-                       metavar="DIR", hyperparameter=False)
+    data: str = option("", panel=DATA, help="Image folder (class folders, train/ + val/, or the Intel layout), "
+                       "hf:NAME, a save_to_disk or parquet dataset, or tar shards 'train-{000..099}.tar'.",
+                       metavar="DATA", hyperparameter=False)
     val_split: float = option(0.1, panel=DATA, help="Validation fraction for a single folder of classes.")
+    data_config: Optional[str] = option(None, panel=DATA, metavar="NAME", when_none="the dataset's default",
+                                        help="With --data hf:NAME: the dataset's configuration (subset).")
+    data_revision: Optional[str] = option(None, panel=DATA, metavar="REV", when_none="main",
+                                          help="With --data hf:NAME: the dataset's branch, tag or commit.")
+    streaming: bool = option(False, panel=DATA, help="Read a Hugging Face dataset as a stream: never downloaded or "
+                             "loaded whole; needs --steps-per-epoch.")
+    val_data: Optional[str] = option(None, panel=DATA, metavar="SHARDS", when_none="none: required with shards",
+                                     help="Validation tar shards for --data shards, e.g. 'val-{000..009}.tar'.")
+    label_names: Optional[str] = option(None, panel=DATA, metavar="A,B,..", when_none="classes.json/classes.txt "
+                                        "beside the shards, or the dataset's ClassLabel", hyperparameter=False,
+                                        help="Class names of integer labels, comma-separated, in index order.")
+    steps_per_epoch: Optional[int] = option(None, panel=DATA, metavar="N", when_none="one pass over a list of "
+                                            "images; required for streams",
+                                            help="Optimizer steps per epoch of streamed data (--streaming, shards).")
     cache: bool = option(False, panel=DATA, help="Decode every image once and keep it in memory.",
                          hyperparameter=False)
     workers: Optional[int] = option(None, panel=DATA, help="DataLoader worker processes.",

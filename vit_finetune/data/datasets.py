@@ -1,5 +1,6 @@
 """Finding the images: the folder layouts a dataset may have, its train/val/test splits, and image files named
-by files, folders or globs. Reads folder listings only, never an image."""
+by files, folders or globs. Reads folder listings only, never an image. find_dataset is the one entry point for
+--data: it also hands Hugging Face datasets to hf.py and tar shards to shards.py, and chooses their splits."""
 from __future__ import annotations
 
 import glob
@@ -9,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
+from typing import Any, Optional
 
 from ..errors import VitftError
 
@@ -18,7 +20,7 @@ LAYOUTS = (
     "root/train/<class>/ with root/val|valid|validation|test/<class>/, "
     "the Kaggle Intel layout root/seg_train/ (+ seg_test/, seg_pred/), or root/<class>/ split by val_split"
 )
-Sample = tuple[Path, int]
+Sample = tuple[Any, Any]  # (a Path or images.ImageSource, a class index or a tuple of them)
 
 
 @dataclass
@@ -26,14 +28,22 @@ class DatasetSplits:
     """Labelled splits found under a dataset root; labels index `classes`."""
 
     classes: list[str]
-    train: list[Sample]
+    train: list[Sample]  # or, streamed (--streaming, tar shards), a streams.RecordSource
     val: list[Sample]
     test: list[Sample] | None
     layout: str
+    multi_label: bool = False
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the splits are streams, read in passes (no list of images, no length)."""
+        return not isinstance(self.train, list)
 
     def class_counts(self) -> dict[str, dict[str, int]]:
-        """{split: {class: number of images}} for train, val and (if present) test."""
+        """{split: {class: number of images}} for train, val and (if present) test; {} for streams."""
         splits = {"train": self.train, "val": self.val, "test": self.test}
+        if self.streamed:
+            return {}
         counts = {}
         for split, samples in splits.items():
             if samples is not None:
@@ -42,8 +52,29 @@ class DatasetSplits:
         return counts
 
 
-def find_dataset(root: str | Path, val_split: float = 0.1, seed: int = 0) -> DatasetSplits:
-    """Detect the folder layout and list labelled samples; fails early, with a fix, on layouts training can't use."""
+def find_dataset(root: str | Path, val_split: float = 0.1, seed: int = 0, *, config: Optional[str] = None,
+                 revision: Optional[str] = None, streaming: bool = False, val_data: Optional[str] = None,
+                 label_names: Optional[str | list[str]] = None) -> DatasetSplits:
+    """Detect what --data is and list labelled samples; fails early, with a fix, on data training can't use.
+
+    A folder of images (LAYOUTS); a Hugging Face dataset (hf:NAME with `config` and `revision`, a save_to_disk
+    folder, parquet: hf.py), streamed with `streaming`; or tar shards (shards.py), with `val_data` shards to
+    validate on. `label_names` (a list, or comma-separated) name the classes of integer labels without names.
+    """
+    if isinstance(label_names, str):
+        label_names = [name.strip() for name in label_names.split(",") if name.strip()]
+    from .hf import is_hf_source, load_hf_splits
+    from .shards import is_shards, load_shard_splits
+
+    data = str(root)
+    if is_hf_source(data):
+        classes, found, layout, multi = load_hf_splits(data, config, revision, streaming, label_names)
+        return _chosen_splits(data, classes, found, layout, val_split, seed, multi)
+    if is_shards(data):
+        classes, found, layout, multi = load_shard_splits(data, val_data, label_names)
+        return _chosen_splits(data, classes, found, layout, val_split, seed, multi)
+    if streaming:
+        raise VitftError(f"--streaming reads a Hugging Face dataset (hf:NAME or parquet); {data} is neither")
     root = _unwrap(Path(root).expanduser())
     if not root.is_dir():
         what = "is not a folder" if root.exists() else "does not exist"
@@ -71,6 +102,27 @@ def find_dataset(root: str | Path, val_split: float = 0.1, seed: int = 0) -> Dat
         layout += f" split {round(100 * (1 - val_split))}/{round(100 * val_split)} (seed {seed})"
     test = _labelled(_unwrap(test_dir), classes) if test_dir else None
     return DatasetSplits(classes, train, val, test, layout)
+
+
+def _chosen_splits(data: str, classes: list[str], found: dict[str, Any], layout: str, val_split: float,
+                   seed: int, multi_label: bool) -> DatasetSplits:
+    """train, val and test among a dataset's named splits, as for folders: validation/valid/val validates (else
+    test, else a --val-split share of train; streams need a split of their own)."""
+    if "train" not in found:
+        raise VitftError(f"{data} has no train split (its splits: {', '.join(found)}); name one 'train'")
+    train, test = found["train"], found.get("test")
+    val = next((found[n] for n in ("validation", "valid", "val") if n in found), None)
+    if val is None and test is not None:
+        val, test = test, None
+    streamed = not isinstance(train, list)
+    if val is None and streamed:
+        raise VitftError(f"{data} has no validation split to stream; give one (--val-data for shards, a "
+                         "'validation' split for a dataset), or read the dataset without --streaming")
+    if val is None:
+        train, val = _split(train, val_split, seed)
+        layout += f" split {round(100 * (1 - val_split))}/{round(100 * val_split)} (seed {seed})"
+    multi_label = multi_label or any(isinstance(label, tuple) for _, label in ([] if streamed else train))
+    return DatasetSplits(classes, train, val, test, layout, multi_label)
 
 
 def list_images(path_or_paths: str | Path | Iterable[str | Path]) -> list[Path]:

@@ -1,23 +1,45 @@
-"""Decoding image files: to upright 8-bit RGB whatever their mode, shrunk on decode when asked, and probing a
-file's header to tell a readable image from anything else. Imports no torch (plots use it too)."""
+"""Decoding images: to upright 8-bit RGB whatever their mode, shrunk on decode when asked, and probing a header
+to tell a readable image from anything else. An image is a file (a path), encoded bytes, or an `ImageSource`
+(an image that is not a file of its own: a row of an arrow table, a member of a tar shard). Imports no torch
+(plots use it too)."""
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol, Union
 
 import cv2
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 
-def load_rgb(path: str | Path, max_short_side: int | None = None) -> np.ndarray:
-    """Decode an image file to (H, W, 3) uint8 RGB, turned upright per EXIF; raises if it cannot be decoded.
+class ImageSource(Protocol):
+    """An image that is not a file of its own; str() names it in warnings and reports."""
+
+    def read_bytes(self) -> bytes:
+        """The encoded image (JPEG, PNG, ...)."""
+
+
+ImageLike = Union[str, Path, bytes, ImageSource]
+
+
+def open_image(image: ImageLike) -> Image.Image:
+    """PIL's lazy image (header read, pixels not yet decoded) of a file, encoded bytes or an ImageSource."""
+    if isinstance(image, (str, Path)):
+        return Image.open(image)
+    return Image.open(io.BytesIO(image if isinstance(image, bytes) else image.read_bytes()))
+
+
+def load_rgb(path: ImageLike, max_short_side: int | None = None) -> np.ndarray:
+    """Decode an image (a file, bytes or an ImageSource) to (H, W, 3) uint8 RGB, turned upright per EXIF; raises
+    if it cannot be decoded.
 
     Transparent pixels are composited on white (a transparent background means "nothing here", and the colour
     hidden under it is arbitrary); 16-bit greyscale is scaled to 8 bits. With max_short_side, larger images are
     shrunk so their shorter side is that long (JPEGs decode at 1/2..1/8 scale directly, which is much faster).
     """
-    with Image.open(path) as im:
+    with open_image(path) as im:
         w, h = im.size
         short, long = shrunk(w, h, max_short_side)
         size = (short, long) if w <= h else (long, short)  # (width, height) as stored in the file
@@ -48,15 +70,21 @@ def shrunk(w: int, h: int, max_short_side: int | None) -> tuple[int, int]:
     return max_short_side, max(1, round(long * max_short_side / short))
 
 
-def probe(path: Path) -> tuple[int, int] | str:
-    """(width, height) from the file header alone, or why the file is not a readable image."""
+def probe(path: ImageLike) -> tuple[int, int] | str:
+    """(width, height) from the header alone, or why the file (bytes, ImageSource) is not a readable image."""
     try:
-        with Image.open(path) as im:
+        with open_image(path) as im:
             return im.size
     except UnidentifiedImageError:
-        return "empty file" if path.stat().st_size == 0 else "not an image"
+        return "empty file" if _is_empty(path) else "not an image"
     except Exception as e:  # unreadable for any other reason: permissions, a broken symlink, a decompression bomb...
         return f"unreadable ({type(e).__name__}: {e})"
+
+
+def _is_empty(image: ImageLike) -> bool:
+    if isinstance(image, (str, Path)):
+        return Path(image).stat().st_size == 0
+    return not (image if isinstance(image, bytes) else image.read_bytes())
 
 
 def unreadable_reason(path: Path) -> str:

@@ -16,19 +16,26 @@ from pathlib import Path
 import numpy as np
 import torch
 from timm.data.constants import DEFAULT_CROP_PCT
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, get_worker_info
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, get_worker_info
 
 from ..errors import VitftError
 from ..models.pos_embed import to_int_pair
 from ..runtime import CpuPlan, fit_cpu_threads, torch_threads
 from .datasets import Sample
-from .images import few, load_rgb, probe, shrunk
+from .images import ImageLike, few, load_rgb, probe, shrunk
 
 log = logging.getLogger("vitft")
 
 
+def _image(image: ImageLike) -> ImageLike:
+    """A file as a Path; an images.ImageSource (a row of an arrow table, hf.py) as it is."""
+    return Path(image) if isinstance(image, (str, os.PathLike)) else image
+
+
 class ImageDataset(Dataset):
-    """(path, label) samples, or bare paths (label -1), as (CHW float tensor, label[, index]) through `transform`.
+    """(image, label) samples, or bare images (label -1), as (CHW float tensor, label[, index]) through `transform`.
+
+    An image is a file (path) or an images.ImageSource (a row of an arrow table: hf.py's ArrowImage), decoded alike.
 
     cache=True keeps every decoded image in one uint8 buffer that all workers share (see fill_cache), shrunk so the
     shorter side is at most 1.15 * max(img_size / crop_pct, img_size): eval resizes to img_size / crop_pct anyway, while
@@ -46,7 +53,8 @@ class ImageDataset(Dataset):
         return_index: bool = False,
         name: str = "images",
     ):
-        pairs = [(Path(s[0]), int(s[1])) if isinstance(s, (tuple, list)) else (Path(s), -1) for s in samples]
+        pairs = [(_image(s[0]), s[1] if isinstance(s[1], tuple) else int(s[1])) if isinstance(s, (tuple, list))
+                 else (_image(s), -1) for s in samples]
         with ThreadPoolExecutor(8) as pool:  # header reads only; threads hide the latency of network file systems
             probes = list(pool.map(probe, [p for p, _ in pairs]))
         bad = [f"{p} ({why})" for (p, _), why in zip(pairs, probes) if isinstance(why, str)]
@@ -176,7 +184,7 @@ class _Loader(DataLoader):
     def __iter__(self):
         with torch_threads(self.cpu_plan.threads if self.cpu_plan else None):
             yield from super().__iter__()
-        if isinstance(self.dataset, ImageDataset):
+        if hasattr(self.dataset, "report_skipped"):  # an ImageDataset, a streams.StreamDataset
             self.dataset.report_skipped()
 
 
@@ -224,7 +232,10 @@ def build_loader(
     if isinstance(dataset, ImageDataset):
         dataset.fill_cache()  # before the workers fork, so they share it
     _seed_transform(dataset, seed)  # workers reseed their copy in _init_worker
-    if indices is not None:
+    streamed = isinstance(dataset, IterableDataset)  # a stream splits itself (streams.py): no sampler
+    if streamed:
+        sampler, drop_last = None, False  # stream_batches joins the workers' last partial batches
+    elif indices is not None:
         if train or distributed:
             raise ValueError("indices are for an evaluation loader in one process")
         sampler = list(indices)
@@ -268,8 +279,14 @@ def requested_batches(loader: DataLoader) -> Iterator[tuple[torch.Tensor, torch.
     """(images, labels, requested, decoded) per batch of an unshuffled loader: `requested` are the dataset indices
     its sampler asked for, and `decoded` is False where that image failed to decode and another one stands in
     for it (an ImageDataset with return_index=True says which it used). Callers drop those rows, so no image is
-    counted twice. A VitftError raised in a worker is raised again with its own message.
+    counted twice. A VitftError raised in a worker is raised again with its own message. A stream
+    (IterableDataset) has no sampler: `requested` is -1 and every image is kept.
     """
+    if isinstance(loader.dataset, IterableDataset):  # a stream skips the images it cannot decode: all are kept
+        for images, labels in _worker_errors_unwrapped(loader):
+            labels = torch.as_tensor(labels)
+            yield images, labels, torch.full((len(labels),), -1), torch.ones(len(labels), dtype=torch.bool)
+        return
     order = iter(loader.sampler)
     for batch in _worker_errors_unwrapped(loader):
         images, labels = batch[0], torch.as_tensor(batch[1])

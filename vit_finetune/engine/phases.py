@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from ..config import TrainConfig
 from ..data.loaders import build_loader, requested_batches
+from ..data.streams import stream_batches
 from ..errors import VitftError
 from ..progress import format_rate
 from ..runtime import compute_context
@@ -210,16 +211,19 @@ def image_steps(trainer: Trainer) -> Steps:
     """The training images through the wrapped model, with mixup, accumulation and DDP's gradient sync."""
     cfg, epoch, loader = trainer.cfg, trainer.state.epoch, trainer.train_loader
     trainer.net.train()
-    # the epoch's order and augmentation depend on (seed, epoch) alone: a resume repeats them, and one process
-    # takes DistributedSampler's permutation, whose interleaved shards make up the same global batches
-    if trainer.ddp.enabled:
-        loader.sampler.set_epoch(epoch)
-    else:
-        loader.sampler.generator.manual_seed(cfg.seed + epoch)
-    trainer.train_set.set_epoch(cfg.seed, epoch)
     skip = trainer.state.step_in_epoch * cfg.accum_steps
-    # run the loader to its end when uncapped, so that it reports the images it had to skip
-    stop = trainer.batches_per_epoch if trainer.batches_per_epoch < len(loader) else None
+    if trainer.splits.streamed:  # passes over a stream (stream_data.py says what a resume reads again)
+        batches, stop = stream_batches(loader, cfg.seed, epoch, trainer.batches_per_epoch), None
+    else:
+        # the epoch's order and augmentation depend on (seed, epoch) alone: a resume repeats them, and one process
+        # takes DistributedSampler's permutation, whose interleaved shards make up the same global batches
+        if trainer.ddp.enabled:
+            loader.sampler.set_epoch(epoch)
+        else:
+            loader.sampler.generator.manual_seed(cfg.seed + epoch)
+        trainer.train_set.set_epoch(cfg.seed, epoch)
+        # run the loader to its end when uncapped, so that it reports the images it had to skip
+        batches, stop = loader, trainer.batches_per_epoch if trainer.batches_per_epoch < len(loader) else None
 
     def forward(images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         images = images.to(trainer.device, non_blocking=True)
@@ -230,7 +234,7 @@ def image_steps(trainer: Trainer) -> Steps:
             return trainer.train_loss_fn(trainer.net(images), targets)
 
     no_sync = getattr(trainer.net, "no_sync", None) if trainer.ddp.enabled else None
-    return Steps(timed(islice(loader, skip, stop), trainer.data_wait), forward, skip, cfg.accum_steps, no_sync)
+    return Steps(timed(islice(batches, skip, stop), trainer.data_wait), forward, skip, cfg.accum_steps, no_sync)
 
 
 def feature_steps(trainer: Trainer, features: FeatureSet) -> Steps:

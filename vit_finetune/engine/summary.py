@@ -17,17 +17,20 @@ def startup_lines(trainer: Trainer) -> list[str]:
     """The start-up lines: weights, data, device, optimisation, and the head phase."""
     cfg = trainer.cfg
     counts = trainer.splits.class_counts()
-    per_class = ", ".join(f"{c} {counts['train'].get(c, 0)}/{counts['val'].get(c, 0)}" for c in trainer.classes)
+    per_class = ", ".join(f"{c} {counts['train'].get(c, 0)}/{counts['val'].get(c, 0)}" for c in trainer.classes
+                          ) if counts else ""
     weights = describe_weights(trainer.model)
     if trainer.resumed:  # the first line names the run's checkpoint, not the weights it started from
         weights[0] = (f"weights: this run's checkpoint {trainer.folder.checkpoint_file} (the run started from "
                       f"{trainer.model.pretrained_cfg.get('source')})")
     warmup = f"{trainer.warmup_epochs:.3g}" + (f" (capped from {cfg.warmup_epochs})" if trainer.warmup_epochs !=
                                             cfg.warmup_epochs else "")
+    data = f"data: {cfg.data} [{trainer.splits.layout}]: {len(trainer.classes)} classes, " + (
+        f"streamed: {trainer.steps_per_epoch} steps an epoch" if trainer.splits.streamed else
+        f"{len(trainer.splits.train)} train / {len(trainer.splits.val)} val images (train/val per class: {per_class})")
     lines = [
         *weights,
-        f"data: {cfg.data} [{trainer.splits.layout}]: {len(trainer.classes)} classes, "
-        f"{len(trainer.splits.train)} train / {len(trainer.splits.val)} val images (train/val per class: {per_class})",
+        data,
         f"device: {trainer.device}{f' x{trainer.ddp.world} processes' if trainer.ddp.enabled else ''}, "
         f"{trainer.precision_choice.describe()}{', torch.compile' if cfg.compile else ''}; "
         f"{trainer.train_loader.cpu_plan.describe()}",

@@ -33,6 +33,7 @@ from .model_setup import build_model, is_scratch
 from .phases import PhasePlan
 from .schedule import build_schedule
 from .state import TrainState, model_from_checkpoint
+from .stream_data import build_stream_data
 from .summary import startup_lines
 
 log = logging.getLogger("vitft")
@@ -65,7 +66,9 @@ class Trainer:
         # trackers are checked first (no package, no MLflow server: fail before anything is written), started later
         self.trackers = [cb.make_tracker(name, self.folder) for name in cb.trackers(cfg)] if self.ddp.main else []
 
-        self.splits: DatasetSplits = find_dataset(cfg.data, cfg.val_split, cfg.seed)
+        self.splits: DatasetSplits = find_dataset(
+            cfg.data, cfg.val_split, cfg.seed, config=cfg.data_config, revision=cfg.data_revision,
+            streaming=cfg.streaming, val_data=cfg.val_data, label_names=cfg.label_names)
         if not self.splits.val:
             raise VitftError(f"no validation images found in {cfg.data}; add a val/ folder or use --val-split")
         self.classes = self.splits.classes
@@ -111,6 +114,8 @@ class Trainer:
             color_jitter=cfg.color_jitter, strong=cfg.strong_aug)
         self.eval_tf = eval_tf = build_transforms(pcfg, self.img_size, train=False)
         crop_pct = preprocessing(pcfg).crop_pct
+        if self.splits.streamed:
+            return build_stream_data(self)
         self.train_set = ImageDataset(self.splits.train, train_tf, cache=cfg.cache, img_size=self.img_size,
                                       crop_pct=crop_pct, name="train")
         show = progress.counter("decoding the training images (--cache)", " images") \

@@ -7,6 +7,7 @@ predictions.csv, confusion_matrix.png and mistakes.png: to the run folder by def
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -19,6 +20,8 @@ import torch
 
 from ..data.datasets import find_dataset
 from ..data.loaders import ImageDataset
+from ..data.shards import is_shards
+from ..data.streams import read_whole
 from ..data.transforms import build_transforms
 from ..errors import VitftError
 from ..files import printable
@@ -83,7 +86,10 @@ def _eval_samples(data: Union[str, os.PathLike], split: Optional[str], val_split
     folder of class folders without `val_split` is evaluated whole. An `explicit` val_split (the user's, not
     a run's) on data that has a validation folder is an error.
     """
-    splits = find_dataset(data, 0.1 if val_split is None else val_split, seed)
+    shards = is_shards(str(data))  # all the shards are the split to evaluate
+    splits = find_dataset(data, 0.1 if val_split is None else val_split, seed, val_data=str(data) if shards else None)
+    if splits.streamed:
+        splits = dataclasses.replace(splits, train=[], val=read_whole(splits.val), test=None)
     root = os.path.abspath(os.path.expanduser(str(data)))
     if explicit and val_split is not None and " split " not in splits.layout:
         raise VitftError(f"--val-split applies to a folder without a validation folder; {data} has one "
