@@ -129,7 +129,7 @@ def image_steps(trainer: Trainer) -> Steps:
     trainer.net.train()
     # the epoch's order and augmentation depend on (seed, epoch) alone: a resume repeats them, and one process
     # takes DistributedSampler's permutation, whose interleaved shards make up the same global batches
-    if trainer.ddp.enabled:
+    if hasattr(loader.sampler, "set_epoch"):  # DistributedSampler, ClassBalancedSampler: seeded by seed + epoch
         loader.sampler.set_epoch(epoch)
     else:
         loader.sampler.generator.manual_seed(cfg.seed + epoch)
@@ -156,7 +156,8 @@ def feature_steps(trainer: Trainer, features: FeatureSet) -> Steps:
     cfg, epoch = trainer.cfg, trainer.state.epoch
     trainer.model.train()
     generator = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
-    batches = features.view(epoch).batches(cfg.batch_size * cfg.accum_steps, generator, trainer.steps_per_epoch)
+    batches = features.view(epoch).batches(cfg.batch_size * cfg.accum_steps, generator, trainer.steps_per_epoch,
+                                           balanced=cfg.balance == "sampler")
 
     def forward(pooled: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with compute_context(trainer.device, trainer.precision):

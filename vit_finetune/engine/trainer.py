@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import TrainConfig
+from ..data.balance import check_balance
 from ..data.datasets import DatasetSplits, find_dataset
 from ..data.loaders import ImageDataset, build_loader
 from ..data.transforms import build_transforms
@@ -34,6 +35,7 @@ from .phases import PhasePlan
 from .schedule import build_schedule
 from .state import TrainState, model_from_checkpoint
 from .summary import startup_lines
+from .weighted_loss import balanced_loss
 
 log = logging.getLogger("vitft")
 
@@ -125,9 +127,10 @@ class Trainer:
             raise VitftError(f"only {len(self.train_set)} training images for a batch of {cfg.batch_size}; "
                              "lower --batch-size")
         device_type = self.device.type
+        check_balance(cfg.balance, self.train_set.labels)
         self.train_loader = build_loader(self.train_set, cfg.batch_size, train=True, workers=cfg.workers,
                                          threads=cfg.threads, device_type=device_type, distributed=self.ddp.enabled,
-                                         seed=cfg.seed)
+                                         seed=cfg.seed, balanced=cfg.balance == "sampler")
         self.val_loader = build_loader(self.val_set, cfg.batch_size, train=False, workers=cfg.workers,
                                        threads=cfg.threads, device_type=device_type,
                                        seed=cfg.seed) if self.val_set is not None else ()
@@ -165,6 +168,9 @@ class Trainer:
         else:
             self.train_loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
         self.head_loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)  # cached features: no mixup
+        weighted = balanced_loss(cfg.balance, self.train_set.labels, len(self.classes), cfg.label_smoothing)
+        if weighted is not None:  # --balance loss or sqrt: one loss for labels, smoothed or mixed
+            self.train_loss_fn = self.head_loss_fn = weighted.to(self.device)
         self.ema = ModelEmaV3(self.model, decay=cfg.ema_decay, use_warmup=True) if cfg.ema else None
 
     def _wrap(self) -> None:
