@@ -2,6 +2,7 @@
 a hand computation, balanced accuracy and macro F1 from a confusion matrix, the start-up warnings, --balance errors."""
 from __future__ import annotations
 
+import csv
 import math
 
 import numpy as np
@@ -21,6 +22,7 @@ from vit_finetune.errors import VitftError
 from vit_finetune.hub.card import hyperparameters
 from vit_finetune.progress import ProgressBar
 from vit_finetune.run_folder import RunFolder
+from vit_finetune.tasks.evaluate import evaluate
 from vit_finetune.tasks.report import classification_metrics, confusion_scores
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -179,7 +181,7 @@ def test_a_balanced_run_resumes_where_it_would_have_gone(imbalanced, tiny_model_
 def test_start_warns_about_imbalance_and_tiny_classes(tiny_model_dir, tmp_path, caplog):
     data = tmp_path / "data"
     make_images(data / "train", {"buildings": 21, "forest": 2})
-    make_images(data / "val", {"buildings": 2, "forest": 2})
+    make_images(data / "val", {"buildings": 3, "forest": 2})
     caplog.set_level("INFO", logger="vitft")
     finetune(data=str(data), pretrained=str(tiny_model_dir), output=str(tmp_path / "run"), max_steps_per_epoch=1,
              **TINIEST)
@@ -187,7 +189,14 @@ def test_start_warns_about_imbalance_and_tiny_classes(tiny_model_dir, tmp_path, 
     assert any("imbalanced classes: buildings has 21 training images, 10x forest's 2" in w and "--balance sampler"
                in w for w in warnings), warnings
     assert any("fewer than 10 training images: forest (2)" in w and "--balance" in w for w in warnings), warnings
-    assert any("buildings 21/2, forest 2/2" in r.getMessage() for r in caplog.records)  # the counts, as before
+    assert any("buildings 21/3, forest 2/2" in r.getMessage() for r in caplog.records)  # the counts, as before
+    # validation's balanced accuracy and macro F1 (metrics.csv) are evaluate's on the same images
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        row = next(csv.DictReader(f))
+    report = evaluate(str(tmp_path / "run"), str(data), split="val", workers=0, device="cpu", precision="fp32",
+                      output=None)
+    assert float(row["val_balanced_accuracy"]) == round(report.balanced_accuracy, 5)
+    assert float(row["val_f1_macro"]) == round(report.macro_f1, 5)
 
 
 def test_imbalance_warnings_thresholds():

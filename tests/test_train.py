@@ -191,19 +191,21 @@ def test_two_process_ddp_on_gloo_with_accumulation(small_images, tiny_model_dir,
 
 
 @pytest.mark.slow  # subprocesses (torchrun, a signal): several seconds each
-@pytest.mark.parametrize("batch, accum, head_phase", [(4, 1, False), (2, 2, False), (8, 1, True)],
-                         ids=["batch", "accumulation", "head-phase"])
+@pytest.mark.parametrize("batch, accum, head_phase, balance", [(4, 1, False, "none"), (2, 2, False, "none"),
+                                                          (8, 1, True, "none"), (4, 1, False, "sampler")],
+                         ids=["batch", "accumulation", "head-phase", "balanced-sampler"])
 def test_two_processes_end_with_the_weights_of_one_with_twice_the_batch(two_classes, tiny_model_dir, tmp_path,
-                                                                       batch, accum, head_phase):
+                                                                       batch, accum, head_phase, balance):
     """DDP is one process with the global batch: rank r takes every second image of the epoch's permutation (the
     same permutation one process takes), so each step's two halves make up the one process's batch, and every image
     is augmented from its own seed wherever it is loaded. Drop path and mixup are off (each rank would draw its own).
     The head phase (a linear probe on cached features) averages its gradients by hand; there each rank's batch is its
-    whole shard (one step per epoch), so the global batch is again the one process's."""
+    whole shard (one step per epoch), so the global batch is again the one process's. --balance sampler: the ranks
+    take the interleaved shards of one global class-balanced draw, as they take the permutation's."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"data: {two_classes}\npretrained: {tiny_model_dir}\nval_split: 0.2\nepochs: 2\nopt: sgd\n"
                       f"lr: 10\ndrop_path: 0\nwarmup_epochs: 0\naccum_steps: {accum}\nfreeze_backbone: {head_phase}\n"
-                      "seed: 1\nworkers: 0\ndevice: cpu\nprecision: fp32\nquiet: true\n")
+                      f"balance: {balance}\nseed: 1\nworkers: 0\ndevice: cpu\nprecision: fp32\nquiet: true\n")
     proc = _torchrun("--recipe", str(recipe), "--batch-size", str(batch), "--output", str(tmp_path / "two"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     finetune(load_recipe(recipe), batch_size=2 * batch, output=str(tmp_path / "one"))

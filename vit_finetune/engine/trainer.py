@@ -26,6 +26,7 @@ from ..progress import ProgressBar
 from ..run_folder import RunFolder
 from ..runtime import check_precision, choose_precision, model_widths
 from ..tasks.inference import top_k_hits
+from ..tasks.report import confusion_scores
 from ..weights.preprocessing import preprocessing
 from . import callbacks as cb
 from .distributed import all_sum, init_distributed, main_process_choice
@@ -297,9 +298,11 @@ class Trainer:
 
     @torch.inference_mode()
     def validate(self, model: nn.Module) -> dict:
-        """Loss, top-1 and top-5 on this run's validation images, summed over all ranks."""
+        """Loss, top-1, top-5, balanced accuracy and macro F1 on this run's validation images, summed over all ranks."""
         model.eval()
         loss_sum = correct1 = correct5 = count = 0.0
+        k = len(self.classes)
+        confusion = torch.zeros(k * k, dtype=torch.long)  # for balanced accuracy and macro F1
         total = len(self.val_set) if self.val_set is not None else 0
         progress = self.progress.counter("validation", " images") if self.progress is not None else None
         for logits, targets in self.plan.at(self.state.epoch).logits(self, model):
@@ -309,13 +312,16 @@ class Trainer:
             correct1 += top1.sum().item()
             correct5 += top5.sum().item()
             count += targets.numel()
+            confusion += torch.bincount((targets * k + logits.argmax(dim=1)).cpu(), minlength=k * k)
             if progress:
                 progress(int(count), total)
-        loss_sum, correct1, correct5, count = all_sum([loss_sum, correct1, correct5, count], self.ddp, self.device)
+        loss_sum, correct1, correct5, count, *cells = all_sum([loss_sum, correct1, correct5, count,
+                                                               *confusion.tolist()], self.ddp, self.device)
         if not count:
             raise VitftError("none of the validation images could be decoded")
         return {"val_loss": loss_sum / count, "val_top1": correct1 / count,
-                "val_top5": correct5 / count if len(self.classes) > 5 else None, "val_images": int(count)}
+                "val_top5": correct5 / count if len(self.classes) > 5 else None, "val_images": int(count),
+                **{f"val_{name}": v for name, v in confusion_scores(np.reshape(cells, (k, k))).items()}}
 
     def describe(self) -> list[str]:
         """The start-up lines: weights, data, device, optimisation, and the head phase."""
