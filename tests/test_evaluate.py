@@ -142,6 +142,10 @@ def test_printed_and_saved_numbers_match_a_hand_count(cli_eval, run_dir, eval_da
     hand = Counter((r["true_label"], r["predicted_label"]) for r in rows)
     assert all(cm[i, j] == hand[(t, p)] for i, t in enumerate(CLASSES) for j, p in enumerate(CLASSES))
     assert report["macro_f1"] == pytest.approx(np.mean([report["per_class"][c]["f1"] for c in CLASSES]))
+    assert report["f1_macro"] == report["macro_f1"]
+    balanced = np.mean([report["per_class"][c]["recall"] for c in CLASSES])  # 8 images per class: top-1's value
+    assert report["balanced_accuracy"] == pytest.approx(balanced)
+    assert re.search(r"balanced accuracy\s+([\d.]+)%", out).group(1) == f"{100 * balanced:.1f}"
     assert report["model"]["source"] == str(run_dir) and report["model"]["architecture"] == "vit_tiny_patch16_224"
     assert report["data"]["layout"] == "single folder" and report["data"]["split"] == "all"
     pre = report["preprocessing"]

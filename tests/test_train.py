@@ -192,8 +192,8 @@ def test_two_process_ddp_on_gloo_with_accumulation(small_images, tiny_model_dir,
 
 @pytest.mark.slow  # subprocesses (torchrun, a signal): several seconds each
 @pytest.mark.parametrize("batch, accum, phase", [(4, 1, ""), (2, 2, ""), (8, 1, "freeze_backbone: true\n"),
-                                                 (8, 1, "train_blocks: 1\n")],
-                         ids=["batch", "accumulation", "head-phase", "partial-on-activations"])
+                                                 (8, 1, "train_blocks: 1\n"), (4, 1, "balance: sampler\n")],
+                         ids=["batch", "accumulation", "head-phase", "partial-on-activations", "balanced-sampler"])
 def test_two_processes_end_with_the_weights_of_one_with_twice_the_batch(two_classes, tiny_model_dir, tmp_path,
                                                                        batch, accum, phase):
     """DDP is one process with the global batch: rank r takes every second image of the epoch's permutation (the
@@ -201,7 +201,8 @@ def test_two_processes_end_with_the_weights_of_one_with_twice_the_batch(two_clas
     is augmented from its own seed wherever it is loaded. Drop path and mixup are off (each rank would draw its own).
     The head phase (a linear probe on cached features) and partial fine-tuning on cached activations (--train-blocks)
     average their gradients by hand; there each rank's batch is its whole shard (one step per epoch), so the global
-    batch is again the one process's."""
+    batch is again the one process's. --balance sampler: the ranks take the interleaved shards of one global
+    class-balanced draw, as they take the permutation's."""
     head_phase = "freeze_backbone" in phase
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"data: {two_classes}\npretrained: {tiny_model_dir}\nval_split: 0.2\nepochs: 2\nopt: sgd\n"

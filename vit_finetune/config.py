@@ -92,6 +92,9 @@ class TrainConfig:
     clip_grad: Optional[float] = option(1.0, panel=OPTIMISATION, help="Gradient norm clip (0 = off).")
     label_smoothing: float = option(0.1, panel=OPTIMISATION,
                                     help="Label smoothing of the cross-entropy loss (0 = off).")
+    balance: str = option("none", panel=OPTIMISATION, metavar="HOW",
+                          help="Imbalanced classes: none; sampler (draw each class equally often); loss (class-"
+                          "weighted cross-entropy, 1/count); sqrt (weights 1/sqrt(count)). Single-label data only.")
     ema: bool = option(False, panel=OPTIMISATION,
                        help="Keep an EMA of the weights; it is saved when it validates better.")
     ema_decay: float = option(0.9998, help="Decay of the weights' EMA.")

@@ -139,6 +139,7 @@ def print_report(report, out: Optional[Console] = None) -> None:
     summary.add_column()
     summary.add_column(justify="right")
     summary.add_row("top-1 accuracy", f"{100 * report.accuracy:.1f}%")
+    summary.add_row("balanced accuracy", f"{100 * report.balanced_accuracy:.1f}%")
     if report.top5 is not None:
         summary.add_row("top-5 accuracy", f"{100 * report.top5:.1f}%")
     summary.add_row("loss", f"{report.loss:.4f}")

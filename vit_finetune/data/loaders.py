@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from ..errors import VitftError
 from ..models.pos_embed import to_int_pair
 from ..runtime import CpuPlan, fit_cpu_threads, torch_threads
+from .balance import ClassBalancedSampler
 from .datasets import Sample
 from .images import ImageLike, few, load_rgb, probe, shrunk
 
@@ -94,7 +95,7 @@ class ImageDataset(Dataset):
         self._augment_seed.copy_(torch.tensor([seed, epoch]))
 
     def __getitem__(self, index: int) -> tuple:
-        i = index
+        i = index % len(self)  # a ClassBalancedSampler's k-th repeat of image i: i + k * len, its own augmentation
         for _ in range(len(self)):  # a bad image is replaced by the next good one, so training never stops
             if not self.failed[i]:
                 try:
@@ -216,6 +217,7 @@ def build_loader(
     seed: int = 0,
     drop_last: bool | None = None,
     indices: Sequence[int] | None = None,
+    balanced: bool = False,
 ) -> DataLoader:
     """Batches for training (shuffled, seeded, full batches only) or evaluation (in order, all samples).
 
@@ -223,7 +225,8 @@ def build_loader(
     call loader.sampler.set_epoch(epoch) every epoch to reshuffle. workers=None chooses the workers with torch's
     threads (runtime.fit_cpu_threads; `threads`, --threads, fixes torch's); `loader.cpu_plan` says what was chosen.
     torch runs with the plan's threads only while the loader is iterated: its previous count comes back after.
-    `indices` (evaluation, one process): only those images, in that order.
+    `indices` (evaluation, one process): only those images, in that order. balanced=True (training, an
+    ImageDataset): a ClassBalancedSampler (--balance sampler), distributed or not; set_epoch(epoch) every epoch.
     """
     processes = torch.distributed.get_world_size() if distributed else 1
     plan = fit_cpu_threads(torch.device(device_type), workers, processes, *_work_per_image(dataset, train),
@@ -239,6 +242,9 @@ def build_loader(
         if train or distributed:
             raise ValueError("indices are for an evaluation loader in one process")
         sampler = list(indices)
+    elif balanced and train:
+        rank, world = (torch.distributed.get_rank(), processes) if distributed else (0, 1)
+        sampler = ClassBalancedSampler(dataset.labels, seed, rank, world)
     elif distributed:
         sampler = DistributedSampler(dataset, shuffle=train, seed=seed)
     else:  # the shuffle gets its own generator, so an epoch's order depends on the epoch's seed alone (resume)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..config import TrainConfig, load_recipe
+from ..data.balance import check_balance, imbalance_warnings
 from ..errors import VitftError
 from ..progress import ProgressBar
 from ..run_folder import RunFolder
@@ -63,6 +64,8 @@ def finetune(config: TrainConfig | dict | None = None, resume: Optional[str | Pa
             folder.write_train_config(cfg.to_dict())
             for line in trainer.describe():
                 log.info(line)
+            for line in imbalance_warnings(trainer.splits.class_counts()["train"], cfg.balance):
+                log.warning(line)
             if state is not None:
                 log.info("resuming %s at epoch %d, step %d", folder.path, trainer.state.epoch + 1,
                          trainer.state.step_in_epoch)
@@ -152,3 +155,4 @@ def check_config(cfg: TrainConfig) -> None:
             raise VitftError(message)
     trackers(cfg)  # an unknown --log-with name is an error now, not at the first epoch
     check_lora(cfg)
+    check_balance(cfg.balance)

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from ..data.balance import balanced_draw
 from ..data.loaders import requested_batches
 from ..runtime import compute_context
 
@@ -42,11 +43,15 @@ class FeatureSet:
         return FeatureSet(self.features[start:start + sizes[i]], self.labels[start:start + sizes[i]])
 
     def batches(self, batch_size: int, generator: Optional[torch.Generator] = None,
-                steps: Optional[int] = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                steps: Optional[int] = None, balanced: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """All rows in batches, in order (generator None) or shuffled; or exactly `steps` full batches in a
-        random order that starts over when the rows run out, as a training epoch takes them."""
+        random order that starts over when the rows run out, as a training epoch takes them; or, balanced (with
+        `steps`), drawn with replacement, each class equally often in expectation (--balance sampler; under DDP
+        each rank draws from its own rows)."""
         n = len(self)
-        if steps is None:
+        if balanced and steps is not None:
+            order = balanced_draw(self.labels, steps * batch_size, generator)
+        elif steps is None:
             order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
             steps = math.ceil(n / batch_size)
         else:

@@ -217,7 +217,7 @@ def image_steps(trainer: Trainer) -> Steps:
     else:
         # the epoch's order and augmentation depend on (seed, epoch) alone: a resume repeats them, and one process
         # takes DistributedSampler's permutation, whose interleaved shards make up the same global batches
-        if trainer.ddp.enabled:
+        if hasattr(loader.sampler, "set_epoch"):  # DistributedSampler, ClassBalancedSampler: seeded by seed + epoch
             loader.sampler.set_epoch(epoch)
         else:
             loader.sampler.generator.manual_seed(cfg.seed + epoch)
@@ -251,7 +251,8 @@ def cached_steps(trainer: Trainer, features: FeatureSet, head, batch_size: int, 
     cfg, epoch = trainer.cfg, trainer.state.epoch
     trainer.model.train()
     generator = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
-    batches = features.view(epoch).batches(batch_size, generator, trainer.steps_per_epoch * accum_steps)
+    batches = features.view(epoch).batches(batch_size, generator, trainer.steps_per_epoch * accum_steps,
+                                           balanced=cfg.balance == "sampler")
 
     def forward(rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with compute_context(trainer.device, trainer.precision):

@@ -47,6 +47,8 @@ def startup_lines(trainer: Trainer) -> list[str]:
     if getattr(trainer.model, "head_dist", None) is not None:
         lines.append("distilled model (DeiT): no teacher, so both heads (head, head_dist) are trained on the "
                      "labels through their mean, the model's output, as timm does")
+    if cfg.balance != "none":
+        lines.append(f"class balance: {_BALANCE_LINES[cfg.balance]} (--balance {cfg.balance})")
     if cfg.patience:
         lines.append(f"early stopping: after {cfg.patience} epoch{'s' * (cfg.patience != 1)} without a better "
                      "val top-1")
@@ -65,6 +67,11 @@ def _trainable_line(trainer: Trainer) -> str:
                  f"{cfg.lora_alpha if cfg.lora_alpha is not None else 2 * cfg.lora:g}, dropout {cfg.lora_dropout:g}, "
                  f"on {cfg.lora_targets}, the head trained in full; the other weights stay frozen")
     return line
+
+
+_BALANCE_LINES = {"sampler": "each class drawn equally often, with replacement",
+                  "loss": "cross-entropy weighted by 1/count per class", "sqrt": "cross-entropy weighted by "
+                  "1/sqrt(count) per class"}
 
 
 def _head_phase_line(trainer: Trainer) -> str:

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import TrainConfig
+from ..data.balance import check_balance
 from ..data.datasets import DatasetSplits, find_dataset
 from ..data.loaders import ImageDataset, build_loader
 from ..data.transforms import build_transforms
@@ -25,6 +26,7 @@ from ..progress import ProgressBar
 from ..run_folder import RunFolder
 from ..runtime import check_precision, choose_precision, model_widths
 from ..tasks.inference import top_k_hits
+from ..tasks.report import confusion_scores
 from ..weights.preprocessing import preprocessing
 from . import callbacks as cb
 from .distributed import all_sum, init_distributed, main_process_choice
@@ -35,6 +37,7 @@ from .schedule import build_schedule
 from .state import TrainState, model_from_checkpoint
 from .stream_data import build_stream_data
 from .summary import startup_lines
+from .weighted_loss import balanced_loss
 
 log = logging.getLogger("vitft")
 
@@ -131,9 +134,10 @@ class Trainer:
             raise VitftError(f"only {len(self.train_set)} training images for a batch of {cfg.batch_size}; "
                              "lower --batch-size")
         device_type = self.device.type
+        check_balance(cfg.balance, self.train_set.labels)
         self.train_loader = build_loader(self.train_set, cfg.batch_size, train=True, workers=cfg.workers,
                                          threads=cfg.threads, device_type=device_type, distributed=self.ddp.enabled,
-                                         seed=cfg.seed)
+                                         seed=cfg.seed, balanced=cfg.balance == "sampler")
         self.val_loader = build_loader(self.val_set, cfg.batch_size, train=False, workers=cfg.workers,
                                        threads=cfg.threads, device_type=device_type,
                                        seed=cfg.seed) if self.val_set is not None else ()
@@ -171,6 +175,9 @@ class Trainer:
         else:
             self.train_loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
         self.head_loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)  # cached features: no mixup
+        weighted = balanced_loss(cfg.balance, self.train_set.labels, len(self.classes), cfg.label_smoothing)
+        if weighted is not None:  # --balance loss or sqrt: one loss for labels, smoothed or mixed
+            self.train_loss_fn = self.head_loss_fn = weighted.to(self.device)
         self.ema = ModelEmaV3(self.model, decay=cfg.ema_decay, use_warmup=True) if cfg.ema else None
 
     def _wrap(self) -> None:
@@ -298,9 +305,11 @@ class Trainer:
 
     @torch.inference_mode()
     def validate(self, model: nn.Module) -> dict:
-        """Loss, top-1 and top-5 on this run's validation images, summed over all ranks."""
+        """Loss, top-1, top-5, balanced accuracy and macro F1 on this run's validation images, summed over all ranks."""
         model.eval()
         loss_sum = correct1 = correct5 = count = 0.0
+        k = len(self.classes)
+        confusion = torch.zeros(k * k, dtype=torch.long)  # for balanced accuracy and macro F1
         total = len(self.val_set) if self.val_set is not None else 0
         progress = self.progress.counter("validation", " images") if self.progress is not None else None
         for logits, targets in self.plan.at(self.state.epoch).logits(self, model):
@@ -310,13 +319,16 @@ class Trainer:
             correct1 += top1.sum().item()
             correct5 += top5.sum().item()
             count += targets.numel()
+            confusion += torch.bincount((targets * k + logits.argmax(dim=1)).cpu(), minlength=k * k)
             if progress:
                 progress(int(count), total)
-        loss_sum, correct1, correct5, count = all_sum([loss_sum, correct1, correct5, count], self.ddp, self.device)
+        loss_sum, correct1, correct5, count, *cells = all_sum([loss_sum, correct1, correct5, count,
+                                                               *confusion.tolist()], self.ddp, self.device)
         if not count:
             raise VitftError("none of the validation images could be decoded")
         return {"val_loss": loss_sum / count, "val_top1": correct1 / count,
-                "val_top5": correct5 / count if len(self.classes) > 5 else None, "val_images": int(count)}
+                "val_top5": correct5 / count if len(self.classes) > 5 else None, "val_images": int(count),
+                **{f"val_{name}": v for name, v in confusion_scores(np.reshape(cells, (k, k))).items()}}
 
     def describe(self) -> list[str]:
         """The start-up lines: weights, data, device, optimisation, and the head phase."""

@@ -52,6 +52,8 @@ class EvalReport:
             "top5": self.top5,
             "loss": self.loss,
             "macro_f1": self.macro_f1,
+            "f1_macro": self.macro_f1,  # the name multi-label reports use: one key reads both kinds
+            "balanced_accuracy": self.balanced_accuracy,
             "weighted_f1": self.weighted_f1,
             "num_images": self.num_images,
             "images_per_s": self.images_per_s,
@@ -66,6 +68,11 @@ class EvalReport:
             "preprocessing": self.preprocessing,
             "runtime": self.runtime,
         }
+
+    @property
+    def balanced_accuracy(self) -> float:
+        """The mean recall over the classes in the data: top-1 as if every class had as many images."""
+        return confusion_scores(self.confusion)["balanced_accuracy"]
 
     @classmethod
     def from_dict(cls, values: dict) -> EvalReport:
@@ -94,14 +101,10 @@ def classification_metrics(y: np.ndarray, pred: np.ndarray, top5_correct: Option
     tp = np.diag(confusion)
     support, predicted = confusion.sum(axis=1), confusion.sum(axis=0)
     per_class = {}
-    f1s = np.zeros(k)
     for i, name in enumerate(classes):
         precision = int(tp[i]) / int(predicted[i]) if predicted[i] else (0.0 if support[i] else None)
         recall = int(tp[i]) / int(support[i]) if support[i] else None
-        f1 = None
-        if precision is not None and recall is not None:
-            f1 = f1s[i] = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-        per_class[name] = {"precision": precision, "recall": recall, "f1": None if f1 is None else float(f1),
+        per_class[name] = {"precision": precision, "recall": recall, "f1": _f1(confusion, i),
                            "support": int(support[i])}
     present = support > 0
     pairs = [(int(confusion[i, j]), i, j) for i in range(k) for j in range(k) if i != j and confusion[i, j]]
@@ -111,13 +114,29 @@ def classification_metrics(y: np.ndarray, pred: np.ndarray, top5_correct: Option
     return {
         "accuracy": int(tp.sum()) / n,
         "top5": top5_correct / n if top5_correct is not None else None,
-        "macro_f1": float(f1s[present].mean()),
-        "weighted_f1": float((f1s * support).sum() / n),
+        "macro_f1": confusion_scores(confusion)["f1_macro"],
+        "weighted_f1": sum(int(support[i]) * _f1(confusion, i) for i in range(k) if present[i]) / n,
         "per_class": per_class,
         "confusion": confusion,
         "confused_pairs": confused,
         "absent_classes": [c for c, p in zip(classes, present) if not p],
     }
+
+
+def _f1(confusion: np.ndarray, i: int) -> Optional[float]:
+    """Class i's F1, 2 TP / (2 TP + FP + FN) = 2 TP / (support + predicted); None without images of class i."""
+    support, predicted = int(confusion[i].sum()), int(confusion[:, i].sum())
+    return 2 * int(confusion[i, i]) / (support + predicted) if support else None
+
+
+def confusion_scores(confusion: np.ndarray) -> dict[str, float]:
+    """Balanced accuracy (mean recall) and macro F1 over the classes with images, from a confusion matrix of
+    counts (rows: true class, columns: predicted): each a mean of exact ratios of integers."""
+    confusion = np.asarray(confusion)
+    present = [i for i in range(len(confusion)) if confusion[i].sum()]
+    recalls = [int(confusion[i, i]) / int(confusion[i].sum()) for i in present]
+    return {"balanced_accuracy": float(np.mean(recalls)),
+            "f1_macro": float(np.mean([_f1(confusion, i) for i in present]))}
 
 
 def shown_mistakes(predictions: list[dict], n: int = N_MISTAKES) -> list[dict]:
