@@ -335,6 +335,12 @@ def test_streams_need_steps_per_epoch_and_a_validation_split(sources, tiny_model
     with pytest.raises(VitftError, match="read as a stream, which has no length: give --steps-per-epoch"):
         finetune(data=str(sources["parquet"]), pretrained=str(tiny_model_dir), output=str(tmp_path / "a"),
                  streaming=True, **QUICK)
+    with pytest.raises(VitftError, match="--balance sampler needs the class counts of a list of images"):
+        finetune(data=str(sources["parquet"]), pretrained=str(tiny_model_dir), output=str(tmp_path / "b"),
+                 streaming=True, steps_per_epoch=3, balance="sampler", **QUICK)
+    with pytest.raises(VitftError, match=r"cached features \(--feature-views\) need a list of images"):
+        finetune(data=str(sources["parquet"]), pretrained=str(tiny_model_dir), output=str(tmp_path / "c"),
+                 streaming=True, steps_per_epoch=3, train_blocks=1, **QUICK)
     with pytest.raises(VitftError, match="has no validation split to stream; give one"):
         find_dataset(sources["shards"])
     with pytest.raises(VitftError, match="--streaming reads a Hugging Face dataset"):

@@ -64,7 +64,7 @@ def finetune(config: TrainConfig | dict | None = None, resume: Optional[str | Pa
             folder.write_train_config(cfg.to_dict())
             for line in trainer.describe():
                 log.info(line)
-            for line in imbalance_warnings(trainer.splits.class_counts()["train"], cfg.balance):
+            for line in imbalance_warnings(trainer.splits.class_counts().get("train", {}), cfg.balance):
                 log.warning(line)
             if state is not None:
                 log.info("resuming %s at epoch %d, step %d", folder.path, trainer.state.epoch + 1,

@@ -25,9 +25,12 @@ def build_stream_data(trainer: Trainer) -> None:
     if not cfg.steps_per_epoch:
         raise VitftError(f"{cfg.data} is read as a stream, which has no length: give --steps-per-epoch N (about "
                          f"the training images / (--batch-size x processes), {cfg.batch_size} x {ddp.world} here)")
-    if cfg.freeze_backbone and cfg.feature_views > 0:
+    if (cfg.freeze_backbone or cfg.train_blocks is not None) and cfg.feature_views > 0:
         raise VitftError("cached features (--feature-views) need a list of images; with streamed data use "
                          "--feature-views 0, which runs the frozen backbone on the images every epoch")
+    if cfg.balance != "none":
+        raise VitftError(f"--balance {cfg.balance} needs the class counts of a list of images, which a stream does "
+                         "not have; use --balance none, or --data without --streaming")
     trainer.train_set = StreamDataset(splits.train, trainer.train_tf, ddp.rank, ddp.world, name="train")
     trainer.val_set = StreamDataset(splits.val, trainer.eval_tf, ddp.rank, ddp.world, name="val")
     loader = dict(workers=cfg.workers, threads=cfg.threads, device_type=trainer.device.type, seed=cfg.seed)

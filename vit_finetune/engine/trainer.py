@@ -175,7 +175,8 @@ class Trainer:
         else:
             self.train_loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
         self.head_loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)  # cached features: no mixup
-        weighted = balanced_loss(cfg.balance, self.train_set.labels, len(self.classes), cfg.label_smoothing)
+        labels = () if self.splits.streamed else self.train_set.labels  # a stream is refused --balance
+        weighted = balanced_loss(cfg.balance, labels, len(self.classes), cfg.label_smoothing)
         if weighted is not None:  # --balance loss or sqrt: one loss for labels, smoothed or mixed
             self.train_loss_fn = self.head_loss_fn = weighted.to(self.device)
         self.ema = ModelEmaV3(self.model, decay=cfg.ema_decay, use_warmup=True) if cfg.ema else None
