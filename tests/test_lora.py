@@ -3,6 +3,7 @@ model agrees with it, checkpoints hold the adapter only, and a kill -9, DDP and 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from vit_finetune.engine.api import finetune  # noqa: E402
 from vit_finetune.errors import VitftError  # noqa: E402
 from vit_finetune.hub.export import export  # noqa: E402
 from vit_finetune.run_folder import CHECKPOINT  # noqa: E402
-from vit_finetune.weights.adapters import apply_lora, merged_copy, save_adapter  # noqa: E402
+from vit_finetune.weights.adapters import apply_lora, merged_copy, save_adapter, trainable_counts  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LORA = dict(lora=4, epochs=2, batch_size=4, lr=0.05, warmup_epochs=0, workers=0, quiet=True, device="cpu",
@@ -113,13 +114,19 @@ def test_layer_decay_scales_the_adapter_by_its_block():
     assert {scales[n] for n in scales if n.startswith("blocks.0.")} == {0.25}
 
 
-def test_head_phase_then_lora(images, base_dir, tmp_path):
+def test_head_phase_then_lora(images, base_dir, tmp_path, caplog):
     out = tmp_path / "phases"
     result = finetune(data=str(images), pretrained=str(base_dir), output=str(out), freeze_backbone=True,
                       unfreeze_after=1, **dict(LORA, epochs=2))
     assert result.epochs_done == 2
     state = torch.load(out / CHECKPOINT, weights_only=True)
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in state["model"].items())
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vitft"):
+        finetune(resume=out, epochs=3)  # resumed past the head phase: the adapter's count, not the head's
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("trainable parameters"))
+    adapter, _ = trainable_counts(apply_lora(create_model("vit_tiny_patch16_224", num_classes=3, **TINY), 4))
+    assert line.startswith(f"trainable parameters: {adapter:,} of ") and "in the head phase" not in line, line
 
 
 def test_missing_peft_and_bad_targets_are_one_line_errors(images, base_dir, tmp_path, monkeypatch):
