@@ -3,6 +3,7 @@ model agrees with it, checkpoints hold the adapter only, and a kill -9, DDP and 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from vit_finetune.engine.api import finetune  # noqa: E402
 from vit_finetune.errors import VitftError  # noqa: E402
 from vit_finetune.hub.export import export  # noqa: E402
 from vit_finetune.run_folder import CHECKPOINT  # noqa: E402
-from vit_finetune.weights.adapters import apply_lora, merged_copy, save_adapter  # noqa: E402
+from vit_finetune.weights.adapters import apply_lora, merged_copy, save_adapter, trainable_counts  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LORA = dict(lora=4, epochs=2, batch_size=4, lr=0.05, warmup_epochs=0, workers=0, quiet=True, device="cpu",
@@ -67,6 +68,7 @@ def test_timm_and_peft_load_the_adapter_as_the_card_says_with_the_run_folders_lo
     card = (out / "README.md").read_text()
     assert "library_name: peft" in card and "PeftModel.from_pretrained(model, \"user/tiny-lora\")" in card
     assert "num_classes=3" in card
+    assert "vit_finetune.create_model" not in card  # vitft cannot fetch a local base by name: no snippet for it
     merged = logits(load_model(str(run)), x)
     # the card's snippet, with the local base folder standing for the Hub id
     model = timm.create_model(f"local-dir:{base_dir}", pretrained=True, num_classes=3)
@@ -112,13 +114,19 @@ def test_layer_decay_scales_the_adapter_by_its_block():
     assert {scales[n] for n in scales if n.startswith("blocks.0.")} == {0.25}
 
 
-def test_head_phase_then_lora(images, base_dir, tmp_path):
+def test_head_phase_then_lora(images, base_dir, tmp_path, caplog):
     out = tmp_path / "phases"
     result = finetune(data=str(images), pretrained=str(base_dir), output=str(out), freeze_backbone=True,
                       unfreeze_after=1, **dict(LORA, epochs=2))
     assert result.epochs_done == 2
     state = torch.load(out / CHECKPOINT, weights_only=True)
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in state["model"].items())
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vitft"):
+        finetune(resume=out, epochs=3)  # resumed past the head phase: the adapter's count, not the head's
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("trainable parameters"))
+    adapter, _ = trainable_counts(apply_lora(create_model("vit_tiny_patch16_224", num_classes=3, **TINY), 4))
+    assert line.startswith(f"trainable parameters: {adapter:,} of ") and "in the head phase" not in line, line
 
 
 def test_missing_peft_and_bad_targets_are_one_line_errors(images, base_dir, tmp_path, monkeypatch):
@@ -127,9 +135,36 @@ def test_missing_peft_and_bad_targets_are_one_line_errors(images, base_dir, tmp_
         finetune(**dict(options, lora_targets="qkv,qkvv"))
     with pytest.raises(VitftError, match=r"--ema with --lora"):
         finetune(**dict(options, ema=True))
+    with pytest.raises(VitftError, match=r"--lora-alpha scales the adapter: it must be positive .*got 0"):
+        finetune(**dict(options, lora_alpha=0))
     monkeypatch.setitem(sys.modules, "peft", None)  # import peft now raises ImportError
     with pytest.raises(VitftError, match=r"need the peft package: pip install 'vit-finetune\[peft\]'"):
         finetune(**options)
+
+
+@pytest.mark.parametrize("target, message", [
+    ("blocks", r"'blocks' matches blocks \(Sequential\), not a layer LoRA adapts \(Linear or Conv\)"),
+    ("norm1", r"'norm1' matches blocks.0.norm1 \(LayerNorm\), not a layer LoRA adapts"),
+    ("head", r"'head' names the head, which trains in full anyway"),
+])
+def test_targets_that_are_not_layers_are_one_line_errors(target, message):
+    model = create_model("vit_tiny_patch16_224", num_classes=3, **TINY)
+    with pytest.raises(VitftError, match=message) as err:
+        apply_lora(model, 2, targets=("qkv", target))
+    assert "\n" not in str(err.value)
+
+
+def test_export_refuses_the_runs_own_adapter_folder(run):
+    with pytest.raises(VitftError, match=r"not into the run folder .* itself or its adapter/"):
+        export(run, run / "adapter", overwrite=True)  # it would replace the adapter with the merged model
+    assert sorted(os.listdir(run / "adapter")) == ["adapter_config.json", "adapter_model.safetensors"]
+
+
+@pytest.mark.parametrize("option, value", [("lora_alpha", 16.0), ("lora_dropout", 0.3)])
+def test_resume_refuses_another_alpha_or_dropout(run, option, value):
+    # the resumed adapter is rebuilt with the checkpoint's options: a new value would be claimed, not used
+    with pytest.raises(VitftError, match=rf"a resumed run keeps its own --{option.replace('_', '-')} "):
+        finetune(resume=run, epochs=3, **{option: value})
 
 
 def _env() -> dict:
@@ -226,3 +261,30 @@ def test_create_model_on_an_adapter_folder_and_hub_repo_gives_the_merged_logits(
     assert out["base_name"] == "user/base"
     for name in ("folder", "hub", "unmerged"):
         torch.testing.assert_close(torch.tensor(out[name]), torch.tensor(out["run"]), atol=1e-5, rtol=0, msg=name)
+
+
+PUSH_BOTH_WAYS = """
+import json, sys
+from huggingface_hub import HfApi
+from vit_finetune.hub.push import push
+run, api, files = sys.argv[1], HfApi(token="t"), {}
+for step, adapter in (("merged", False), ("adapter", True), ("merged again", False)):
+    push(run, "user/model", token="t", adapter=adapter, overwrite_card=True)
+    files[step] = sorted(f for f in api.list_repo_files("user/model") if f.endswith((".json", ".safetensors")))
+print(json.dumps(files))
+"""
+
+
+@pytest.mark.slow  # a subprocess against the test Hub
+def test_push_adapter_over_a_merged_model_leaves_one_model_in_the_repo(run, tmp_path):
+    from hub_server import HubServer
+    from test_hub import hub_env
+
+    with HubServer(tokens={"t"}) as hub:
+        proc = subprocess.run([sys.executable, "-c", PUSH_BOTH_WAYS, str(run)],
+                              env=dict(hub_env(hub.url, tmp_path / "home", "t"), PYTHONPATH=str(REPO)),
+                              capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    files = json.loads(proc.stdout.strip().splitlines()[-1])
+    merged, adapter = ["config.json", "model.safetensors"], ["adapter_config.json", "adapter_model.safetensors"]
+    assert files == {"merged": merged, "adapter": adapter, "merged again": merged}  # a stale config.json would win

@@ -41,6 +41,8 @@ def check_lora(cfg: TrainConfig) -> None:
     checks = [
         (cfg.lora >= 1, f"--lora is the adapter's rank: at least 1, got {cfg.lora}"),
         (cfg.lora_method in METHODS, f"--lora-method must be one of {', '.join(METHODS)}, got {cfg.lora_method!r}"),
+        (cfg.lora_alpha is None or cfg.lora_alpha > 0,
+         f"--lora-alpha scales the adapter: it must be positive (0 turns it off), got {cfg.lora_alpha}"),
         (0 <= cfg.lora_dropout < 1, "--lora-dropout must be in [0, 1)"),
         (not is_scratch(cfg), "--lora adapts pretrained weights: drop --pretrained none, or --lora"),
         (not cfg.ema, "--ema with --lora: the EMA would copy every frozen weight, which LoRA avoids; drop --ema"),

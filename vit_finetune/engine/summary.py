@@ -56,11 +56,12 @@ def startup_lines(trainer: Trainer) -> list[str]:
 
 
 def _trainable_line(trainer: Trainer) -> str:
-    """How many parameters train in the first phase, and the LoRA adapter when there is one."""
+    """How many parameters train in the phase the run starts (or resumes) in, and the LoRA adapter when there is
+    one."""
     cfg = trainer.cfg
     trainable, total = trainable_counts(trainer.model)
     line = f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.2f}%)"
-    if trainer.plan.head_epochs:
+    if trainer.state.epoch < trainer.plan.head_epochs:
         line += " in the head phase"
     if is_adapted(trainer.model):
         line += (f"; LoRA{' (DoRA)' if cfg.lora_method == 'dora' else ''} rank {cfg.lora}, alpha "

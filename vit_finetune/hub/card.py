@@ -342,8 +342,9 @@ def adapter_card(run_dir: PathLike, adapter_config: dict, repo_id: Optional[str]
     out += ["## Usage\n", "### timm + peft\n", "```python", "import timm", "from peft import PeftModel", "",
             f"model = timm.create_model({base_ref}, pretrained=True, num_classes={num_classes}{args})",
             f'model = PeftModel.from_pretrained(model, "{repo}").eval()',
-            "model = model.merge_and_unload()  # optional: one plain timm model", "```", "",
-            "### vitft\n", "```python", "import vit_finetune", "",
-            f'model = vit_finetune.create_model("hf-hub:{repo}", pretrained=True).eval()  # merged', "```", ""]
+            "model = model.merge_and_unload()  # optional: one plain timm model", "```", ""]
+    if public_base:  # vitft fetches the base weights by the name adapter_config.json gives
+        out += ["### vitft\n", "```python", "import vit_finetune", "",
+                f'model = vit_finetune.create_model("hf-hub:{repo}", pretrained=True).eval()  # merged', "```", ""]
     body = printable("\n".join(out))
     return str(ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n{body}"))

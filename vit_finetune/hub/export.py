@@ -24,7 +24,8 @@ log = logging.getLogger("vitft")
 
 # every file `export` writes: what --overwrite replaces in an existing folder (nothing else is touched)
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # weights/adapters.py's, named without torch
-EXPORT_FILES = ("config.json", "model.safetensors", "README.md", *CARD_IMAGES, *ONNX_FILES, *ADAPTER_FILES)
+MODEL_FILES = ("config.json", "model.safetensors")  # the merged model's
+EXPORT_FILES = (*MODEL_FILES, "README.md", *CARD_IMAGES, *ONNX_FILES, *ADAPTER_FILES)
 DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16", "half": "float16",
           "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
@@ -118,8 +119,9 @@ def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwri
     out = Path(out_dir).expanduser()
     if out.exists() and not out.is_dir():
         raise VitftError(f"{out} exists and is not a folder")
-    if out.resolve() == run.path.resolve():
-        raise VitftError(f"export into a new folder, not into the run folder {run} itself")
+    if out.resolve() in (run.path.resolve(), run.adapter_dir.resolve()):  # --overwrite would replace its files
+        raise VitftError(f"export into a new folder, not into the run folder {run} itself or its "
+                         f"{run.adapter_dir.name}/")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise VitftError(f"{out} already exists and is not empty; pass --overwrite to replace the exported files "
                          "in it, or pick another folder")
@@ -127,8 +129,7 @@ def export(run_dir: PathLike, out_dir: PathLike, dtype: str = "fp32", *, overwri
         raise VitftError(f"{run} has no adapter ({run.adapter_dir.name}/{ADAPTER_FILES[0]}): only a run trained with "
                          "--lora has one; export without --adapter")
     replaced = [name for name in EXPORT_FILES if (out / name).exists()]
-    if replaced and not any(all((out / name).is_file() for name in files)
-                            for files in (("config.json", "model.safetensors"), ADAPTER_FILES)):
+    if replaced and not any(all((out / name).is_file() for name in files) for files in (MODEL_FILES, ADAPTER_FILES)):
         # a folder without an earlier export (a project's root, a data folder): its README.md is the user's own
         raise VitftError(f"{out} holds {', '.join(replaced)} but no exported model (config.json + model.safetensors): "
                          "--overwrite only replaces an earlier export's files; pick another folder")

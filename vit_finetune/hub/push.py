@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional
 
 from ..errors import VitftError
 from ..run_folder import CARD_IMAGES
-from .export import dtype_name, export
+from .export import ADAPTER_FILES, MODEL_FILES, dtype_name, export
 from .run import PathLike, check_run
 
 log = logging.getLogger("vitft")
@@ -177,8 +177,10 @@ def push(run_dir: PathLike, repo_id: str, token: Optional[str] = None, private: 
     with tempfile.TemporaryDirectory(prefix="vitft-push-") as tmp:
         folder = export(run, Path(tmp) / "export", dtype=dtype, repo_id=repo_id, dataset=dataset,
                         adapter=adapter)
-        # card images the new card no longer shows are removed from the repo (not when the old card stays)
-        stale = [] if keep_card else [n for n in CARD_IMAGES if not (folder / n).is_file()]
+        # the other kind of model's files go (an adapter push over a merged model, or back): the repo holds one
+        # model; card images the new card no longer shows go too (not when the old card stays)
+        stale = [n for n in (*MODEL_FILES, *ADAPTER_FILES, *([] if keep_card else CARD_IMAGES))
+                 if not (folder / n).is_file()]
         with _hub_step(f"uploading to {repo_id}", repo_id):
             info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=message,
                                      revision=revision, create_pr=create_pr,

@@ -26,6 +26,8 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetens
 ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 DEFAULT_TARGETS = ("qkv", "proj", "fc1", "fc2")
 METHODS = ("lora", "dora")
+HEADS = ("head", "head_dist")  # trained in full (peft's modules_to_save), never adapted
+_LORA_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.MultiheadAttention)  # what peft adapts
 LOCAL_BASE = "local"  # base_model_name_or_path of an adapter trained on private local weights (never their path)
 _ADAPTER = "default"  # peft's name of the one adapter a model carries
 _PEFT_PREFIX = "base_model.model."  # the keys' prefix in peft's adapter_model.safetensors
@@ -46,14 +48,22 @@ def parse_targets(text: str) -> tuple[str, ...]:
 
 
 def check_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
-    """Each target names a module the way peft matches it (the module's name, or its last dotted parts)."""
-    names = [name for name, _ in model.named_modules() if name]
+    """Each target names layers LoRA adapts, the way peft matches them (the module's name, or its last dotted
+    parts): not a block or a norm, and not a head, which trains in full anyway."""
     if not targets:
         raise VitftError(f"--lora-targets is empty; pass module names such as {','.join(DEFAULT_TARGETS)}")
     for target in targets:
-        if not any(name == target or name.endswith("." + target) for name in names):
+        matched = [(name, module) for name, module in model.named_modules()
+                   if name and (name == target or name.endswith("." + target))]
+        if not matched:
             raise VitftError(f"--lora-targets {target!r} matches no module of the model; timm's ViT names are like "
                              "blocks.0.attn.qkv, blocks.0.attn.proj, blocks.0.mlp.fc1, blocks.0.mlp.fc2")
+        if all(name in HEADS for name, _ in matched):
+            raise VitftError(f"--lora-targets {target!r} names the head, which trains in full anyway: drop it")
+        for name, module in matched:
+            if not isinstance(module, _LORA_LAYERS):
+                raise VitftError(f"--lora-targets {target!r} matches {name} ({type(module).__name__}), not a layer "
+                                 f"LoRA adapts (Linear or Conv): name layers such as {','.join(DEFAULT_TARGETS)}")
 
 
 def apply_lora(model: nn.Module, rank: int, *, alpha: Optional[float] = None, dropout: float = 0.0,
@@ -63,12 +73,12 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: Optional[float] = None, dr
     is the base weights' public name, what adapter_config.json's base_model_name_or_path will say."""
     peft = require_peft()
     check_targets(model, targets)
-    heads = [name for name in ("head", "head_dist") if isinstance(getattr(model, name, None), nn.Linear)]
+    heads = [name for name in HEADS if isinstance(getattr(model, name, None), nn.Linear)]
     config = peft.LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=dropout,
                              target_modules=list(targets), modules_to_save=heads, use_dora=method == "dora")
     try:
         peft.get_peft_model(model, config)
-    except ValueError as err:  # e.g. a target that is a block, not a layer peft can adapt
+    except ValueError as err:  # anything else peft refuses
         raise VitftError(f"--lora-targets {','.join(targets)}: {str(err).splitlines()[0]}") from None
     model.peft_config[_ADAPTER].base_model_name_or_path = base  # peft would name the model's class
     return model
