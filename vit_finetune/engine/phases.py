@@ -117,9 +117,19 @@ class PhasePlan:
             phases.append((0, HeadOnFeatures() if cfg.feature_views > 0 else FrozenBackbone()))
         phases.append((self.head_epochs, FineTuning()))  # past a linear probe's end: validation on images
         self.phases = phases
+        self.epochs = cfg.epochs  # the run's end: --epochs, or what a --time-budget planned
 
     def at(self, epoch: int) -> FineTuning:
         return next(phase for first, phase in reversed(self.phases) if epoch >= first)
+
+    def resize(self, index: int, epochs: int) -> None:
+        """Phase `index` lasts `epochs` epochs (a --time-budget plan): the phases after it and the run's end move."""
+        end = self.phases[index + 1][0] if index + 1 < len(self.phases) else self.epochs
+        shift = self.phases[index][0] + epochs - end
+        self.phases = [(first + shift * (i > index), phase) for i, (first, phase) in enumerate(self.phases)]
+        self.epochs += shift
+        if self.head_epochs:
+            self.head_epochs = self.phases[1][0]
 
 
 # ---- batch sources --------------------------------------------------------------------------------

@@ -38,6 +38,8 @@ def startup_lines(trainer: Trainer) -> list[str]:
     if getattr(trainer.model, "head_dist", None) is not None:
         lines.append("distilled model (DeiT): no teacher, so both heads (head, head_dist) are trained on the "
                      "labels through their mean, the model's output, as timm does")
+    if trainer.budget is not None:
+        lines.append(trainer.budget.describe())
     if cfg.patience:
         lines.append(f"early stopping: after {cfg.patience} epoch{'s' * (cfg.patience != 1)} without a better "
                      "val top-1")
