@@ -115,9 +115,10 @@ class TimeBudget(Callback):
     def describe(self) -> str:
         cfg = self.trainer.cfg
         spent = f"{self.used_before / 60:.1f} min used before this resume, " if self.used_before else ""
-        return (f"time budget: {cfg.time_budget:g} min from the command's start ({spent}{self.used():.0f} s set-up "
-                f"so far): the run's length is planned from its first steps (--epochs {cfg.epochs} at most), to end "
-                f"by {self.clock_time(self.budget_s)}")
+        setup = time.monotonic() - self.started
+        return (f"time budget: {cfg.time_budget:g} min from the command's start ({spent}{setup:.0f} s set-up so "
+                f"far): the run's length is planned from its first steps (--epochs {cfg.epochs} at most), to end by "
+                f"{self.clock_time(self.budget_s)}")
 
     def cuts_epoch(self, step_in_epoch: int) -> bool:
         """Whether the loop ends the epoch here: a plan made it shorter than the batches its steps were made from."""
