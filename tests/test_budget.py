@@ -75,11 +75,13 @@ def test_a_budget_plans_both_phases_says_so_and_ends_in_time(two_classes, tiny_m
 
 def test_epochs_cap_a_budget_that_would_allow_more(two_classes, tiny_model_dir, tmp_path, caplog):
     caplog.set_level("INFO", logger="vitft")
-    result, rows, seconds = _run(tmp_path / "budget", two_classes, tiny_model_dir, time_budget=5, epochs=2)
-    assert result.epochs_done == 2 and seconds < 60
+    result, rows, seconds = _run(tmp_path / "budget", two_classes, tiny_model_dir, time_budget=5, epochs=3)
+    assert result.epochs_done == 3 and seconds < 60
     assert any("(--epochs caps it)" in r.getMessage() for r in caplog.records)
-    _, plain, _ = _run(tmp_path / "plain", two_classes, tiny_model_dir, epochs=2)
+    _, plain, _ = _run(tmp_path / "plain", two_classes, tiny_model_dir, epochs=3)  # the same run, unbudgeted
     assert [float(r["lr"]) for r in rows] == pytest.approx([float(r["lr"]) for r in plain], rel=1e-9)
+    steps = [RunFolder(tmp_path / run / "run").read_checkpoint()["global_step"] for run in ("budget", "plain")]
+    assert steps[0] == steps[1] == int(rows[-1]["planned_steps"])
 
 
 def test_a_slowed_machine_replans_and_still_ends_in_time_at_min_lr(two_classes, tiny_model_dir, tmp_path,
