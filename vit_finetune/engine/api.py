@@ -27,14 +27,15 @@ _RUN_DEFINING = ("seed", "val_split", "img_size", "pretrained", "model", "model_
 
 
 def finetune(config: TrainConfig | dict | None = None, resume: Optional[str | Path] = None,
-             recipe: Optional[str | Path] = None, **options: Any) -> RunResult:
+             recipe: Optional[str | Path] = None, started: Optional[float] = None, **options: Any) -> RunResult:
     """Fine-tune (or train) a ViT on an image folder; returns where the run is and how it went.
 
     `finetune(data="./intel", pretrained="vit_b_16", epochs=5)`, `finetune(recipe="recipes/x.yaml", epochs=3)`
     (the options given override the recipe's; model_kwargs are merged key by key) or `finetune(resume="runs/x")`.
     Everything is checked (data, model, options, Hub token) before an existing run folder is replaced.
+    `started`: when the command started (time.monotonic()), which a --time-budget counts from; default: now.
     """
-    started = time.monotonic()  # a --time-budget counts from here
+    started = time.monotonic() if started is None else started
     if resume is not None:
         if recipe is not None:
             raise VitftError("--recipe is for new runs; with --resume, pass changed options as flags")
