@@ -8,7 +8,8 @@
   into the time the phase may take: the phases after it keep their share of the epochs (`budget_head_share` for a
   head phase), the last phase has all the rest. A warmup + cosine schedule is fitted to that length, from the
   phase's first step: after its last step the LR is min_lr, as in a run of that many epochs;
-- at each epoch start it re-checks the plan with the last epoch's step time and the measured epoch ends. Where
+- at each epoch start (and a few times within each epoch) it re-checks the plan with the last epochs' step time
+  (or the current epoch's) and the measured epoch ends. Where
   the rest no longer fits, the end moves earlier (never later): fewer epochs or steps, and a cosine re-fitted from
   the current step and LR down to min_lr at the new end;
 - its plans, and the budget seconds used, go into the checkpoint: a resume restores the schedule as it was and
@@ -42,6 +43,7 @@ log = logging.getLogger("vitft")
 WARMUP_STEPS = 2  # a phase's first steps in a process (allocations, loader start-up): not timed
 TIMED_STEPS = 8  # then the steps whose mean time a plan uses
 MARGIN = 0.02  # of the budget: kept free for the timing's noise; a re-fit starts when half of it would be used
+CHECKS_PER_EPOCH = 4  # re-checks within an epoch, besides the one at its start
 PROBE_BATCHES = 2  # validation batches timed to estimate a validation pass
 SAVE_S, SAVE_BYTES_PER_S = 0.5, 200e6  # an epoch end's saving (best model, checkpoint, curves), until measured
 
@@ -154,6 +156,12 @@ class TimeBudget(Callback):
         if self.steps_seen == WARMUP_STEPS:
             self.timed_from = now
         epoch_ends = trainer.state.step_in_epoch >= trainer.steps_per_epoch
+        if self.measured and self.index in self.plans and not epoch_ends and \
+                trainer.state.step_in_epoch % max(1, trainer.steps_per_epoch // CHECKS_PER_EPOCH) == 0:
+            if self.epoch_steps >= WARMUP_STEPS:  # a long epoch is re-checked within: by its steps so far
+                self.step_s = (now - self.epoch_start) / self.epoch_steps
+            self._apply(self._decide(self._refit))
+            return
         if self.measured or not (self.steps_seen == WARMUP_STEPS + TIMED_STEPS or epoch_ends):
             return
         self.measured = True
