@@ -9,7 +9,9 @@ import dataclasses
 import fnmatch
 import functools
 import inspect
+import os
 import sys
+import time
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
@@ -153,7 +155,7 @@ def finetune_cmd(ctx: typer.Context, recipe: Optional[Path], resume: Optional[Pa
              if ctx.get_parameter_source(name).name == "COMMANDLINE"}  # not the defaults: the recipe's win
     if "model_kwargs" in flags:
         flags["model_kwargs"] = _parse_kwargs(flags["model_kwargs"])
-    result = finetune(resume=resume, recipe=recipe, **flags)
+    result = finetune(resume=resume, recipe=recipe, started=COMMAND_STARTED, **flags)
     if is_main_process():  # under torchrun, one summary: rank 0's
         _summary(result)
     if result.interrupted:  # as a shell reports Ctrl-C: `vitft finetune ... && vitft evaluate ...` stops here
@@ -462,4 +464,19 @@ def push_cmd(
 
 
 def main() -> None:
+    global COMMAND_STARTED
+    COMMAND_STARTED = time.monotonic() - _process_age()
     app()
+
+
+COMMAND_STARTED: Optional[float] = None  # time.monotonic() when this process started, for --time-budget
+
+
+def _process_age() -> float:
+    """Seconds since this process started (Linux's /proc; 0 elsewhere): a --time-budget counts the imports too."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+            return max(0.0, float(uptime.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0

@@ -118,6 +118,14 @@ class TrainConfig:
     patience: Optional[int] = option(None, panel=OPTIMISATION, when_none="never stop early", metavar="EPOCHS",
                                      help="Stop when val top-1 has not improved for this many epochs (the best "
                                      "model is kept).")
+    time_budget: Optional[float] = option(
+        None, panel=OPTIMISATION, metavar="MINUTES", when_none="no budget: --epochs epochs",
+        help="Plan the run to end within this many minutes, counted from the command's start to the saved best "
+        "model: epochs, steps and the LR schedule are fitted to the throughput measured on the first steps "
+        "(--epochs is the most it may take).")
+    budget_head_share: Optional[float] = option(
+        None, when_none="the head phase's share of --epochs", help="With --time-budget and a head phase before "
+        "fine-tuning: the most of the budget the head phase may take (what it leaves goes to the phases after it).")
     seed: int = option(0, panel=OPTIMISATION, help="Random seed (data split, initialisation, augmentation).")
     mixup: float = option(0.0, panel=AUGMENTATION, help="Mixup alpha (0 = off).")
     cutmix: float = option(0.0, panel=AUGMENTATION, help="CutMix alpha (0 = off).")

@@ -28,6 +28,7 @@ CHECKPOINT = Path("last") / "checkpoint.pt"
 ADAPTER_DIR = "adapter"  # a LoRA run's adapter: adapter_config.json + adapter_model.safetensors
 METRIC_FIELDS = ["epoch", "train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_s", "seconds",
                  "data_wait", "peak_mem_gb", "val_images", "val_balanced_accuracy", "val_f1_macro"]
+PLAN_FIELDS = ["planned_epochs", "planned_steps", "planned_end"]  # a --time-budget's plan, in runs that have one
 CURVES = "curves.png"
 CARD_IMAGES = (CURVES, "confusion_matrix.png")  # the pictures a model card embeds, when the run has them
 
@@ -188,7 +189,8 @@ class RunFolder:
     # -- metrics.csv and curves.png
     def write_metrics(self, rows: list[dict]) -> None:
         buf = io.StringIO()
-        writer = csv.DictWriter(buf, fieldnames=METRIC_FIELDS, extrasaction="ignore")
+        planned = [name for name in PLAN_FIELDS if any(name in row for row in rows)]
+        writer = csv.DictWriter(buf, fieldnames=METRIC_FIELDS + planned, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
         atomic_write(self.metrics_file, lambda tmp: tmp.write_text(buf.getvalue()))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
@@ -13,6 +14,7 @@ from ..data.balance import check_balance, imbalance_warnings
 from ..errors import VitftError
 from ..progress import ProgressBar
 from ..run_folder import RunFolder
+from .budget import planned_epochs
 from .callbacks import trackers
 from .distributed import is_main_process, leave
 from .loop import StopFlag
@@ -27,22 +29,27 @@ _RUN_DEFINING = ("seed", "val_split", "img_size", "pretrained", "model", "model_
 
 
 def finetune(config: TrainConfig | dict | None = None, resume: Optional[str | Path] = None,
-             recipe: Optional[str | Path] = None, **options: Any) -> RunResult:
+             recipe: Optional[str | Path] = None, started: Optional[float] = None, **options: Any) -> RunResult:
     """Fine-tune (or train) a ViT on an image folder; returns where the run is and how it went.
 
     `finetune(data="./intel", pretrained="vit_b_16", epochs=5)`, `finetune(recipe="recipes/x.yaml", epochs=3)`
     (the options given override the recipe's; model_kwargs are merged key by key) or `finetune(resume="runs/x")`.
     Everything is checked (data, model, options, Hub token) before an existing run folder is replaced.
+    `started`: when the command started (time.monotonic()), which a --time-budget counts from; default: now.
     """
+    started = time.monotonic() if started is None else started
     if resume is not None:
         if recipe is not None:
             raise VitftError("--recipe is for new runs; with --resume, pass changed options as flags")
         folder = RunFolder(resume)
         state = folder.read_checkpoint()
         cfg = _resume_config(state, options)
-        if state["epoch"] >= cfg.epochs:
+        planned = planned_epochs(state)  # what a --time-budget planned, else None
+        if state["epoch"] >= (planned or cfg.epochs):
             done = f"{state['epoch']} epoch{'s' if state['epoch'] != 1 else ''}"
-            raise VitftError(f"{folder.path} already finished {done}; raise --epochs to train longer")
+            how = "the plan of its --time-budget is complete: start a new run to train longer" if planned else \
+                "raise --epochs to train longer"
+            raise VitftError(f"{folder.path} already finished {done}; {how}")
     else:
         state = None
         cfg = new_run_config(config, recipe, options)
@@ -57,7 +64,7 @@ def finetune(config: TrainConfig | dict | None = None, resume: Optional[str | Pa
     # the signal handler and the progress bar come first: a signal while the data is scanned or cached stops the
     # run too (checkpointed at step 0), and a long cache fill shows its progress
     with StopFlag() as stop_flag, ProgressBar(enabled=not cfg.quiet and is_main_process()) as progress:
-        trainer = Trainer(cfg, folder.path, state, stop_flag, progress)
+        trainer = Trainer(cfg, folder.path, state, stop_flag, progress, started)
         replaced = None
         if trainer.ddp.main:
             replaced = folder.start() if state is None else None
@@ -149,6 +156,9 @@ def check_config(cfg: TrainConfig) -> None:
         (cfg.head_lr is None or cfg.head_lr > 0, "--head-lr must be positive"),
         (not (cfg.mixup or cfg.cutmix) or cfg.batch_size % 2 == 0, "mixup/cutmix need an even --batch-size"),
         (cfg.patience is None or cfg.patience >= 1, "--patience must be at least 1 epoch"),
+        (cfg.time_budget is None or cfg.time_budget > 0, "--time-budget must be a positive number of minutes"),
+        (cfg.budget_head_share is None or 0 < cfg.budget_head_share < 1,
+         f"budget_head_share must be between 0 and 1 (a fraction of --time-budget), got {cfg.budget_head_share}"),
     ]
     for ok, message in checks:
         if not ok:

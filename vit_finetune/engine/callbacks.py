@@ -82,7 +82,7 @@ class EarlyStopping(Callback):
 
     def on_epoch_end(self, trainer, row, best):
         state = trainer.state
-        if state.epoch - state.best_epoch >= self.patience and state.epoch < trainer.cfg.epochs:
+        if state.epoch - state.best_epoch >= self.patience and state.epoch < trainer.plan.epochs:
             trainer.stop(f"early stopping: val top-1 has not improved for {self.patience} epoch"
                          f"{'s' * (self.patience != 1)} (best {100 * state.best_top1:.1f}% at epoch "
                          f"{state.best_epoch})")
@@ -125,7 +125,7 @@ class Progress(Callback):
         self.progress, self.main, self.task = progress, main, None
 
     def on_epoch_start(self, trainer):
-        self.task = self.progress.add_task(f"epoch {trainer.state.epoch + 1}/{trainer.cfg.epochs}",
+        self.task = self.progress.add_task(f"epoch {trainer.state.epoch + 1}/{trainer.plan.epochs}",
                                            total=trainer.steps_per_epoch, completed=trainer.state.step_in_epoch,
                                            info="", unit=" steps")
 
@@ -141,7 +141,7 @@ class Progress(Callback):
         top5 = f" top-5 {100 * row['val_top5']:.1f}%" if row.get("val_top5") is not None else ""
         ema = " (EMA)" if row.get("ema") else ""
         log.info("epoch %d/%d: train loss %.4f | val loss %.4f top-1 %.1f%%%s%s | %s img/s, %.0fs",
-                 row["epoch"], trainer.cfg.epochs, row["train_loss"], row["val_loss"], 100 * row["val_top1"], top5,
+                 row["epoch"], trainer.plan.epochs, row["train_loss"], row["val_loss"], 100 * row["val_top1"], top5,
                  ema, format_rate(row["images_per_s"]), row["seconds"])
 
     def on_run_end(self, trainer, status):

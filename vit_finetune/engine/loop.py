@@ -88,6 +88,8 @@ def run_steps(trainer: Trainer, steps: Steps) -> EpochResult:
                                                        time.perf_counter() - start, lr))
         if state.step_in_epoch < trainer.steps_per_epoch and trainer.stop_requested():  # else: finish the epoch
             return EpochResult(loss_sum / max(seen, 1), seen, True)
+        if trainer.budget is not None and trainer.budget.cuts_epoch(state.step_in_epoch):
+            break  # a --time-budget plan made this epoch shorter than its batches
     loss_sum, seen = all_sum([loss_sum, seen], trainer.ddp, trainer.device)
     # nan: a resume after an interrupted validation has no batch left, and its loss was not kept
     return EpochResult(loss_sum / seen if seen else float("nan"), int(seen), False)

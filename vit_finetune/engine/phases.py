@@ -195,6 +195,7 @@ class PhasePlan:
         else:  # past a linear probe's end: validation on images
             phases.append((self.head_epochs, FineTuning(self.train_blocks or None)))
         self.phases = phases
+        self.epochs = cfg.epochs  # the run's end: --epochs, or what a --time-budget planned
 
     def at(self, epoch: int) -> FineTuning:
         return next(phase for first, phase in reversed(self.phases) if epoch >= first)
@@ -204,6 +205,15 @@ class PhasePlan:
         that its groups (and weight decay) leave them out; what a later phase trains stays in them."""
         if self.train_blocks:
             set_trainable(model, self.train_blocks)
+
+    def resize(self, index: int, epochs: int) -> None:
+        """Phase `index` lasts `epochs` epochs (a --time-budget plan): the phases after it and the run's end move."""
+        end = self.phases[index + 1][0] if index + 1 < len(self.phases) else self.epochs
+        shift = self.phases[index][0] + epochs - end
+        self.phases = [(first + shift * (i > index), phase) for i, (first, phase) in enumerate(self.phases)]
+        self.epochs += shift
+        if self.head_epochs:
+            self.head_epochs = self.phases[1][0]
 
 
 # ---- batch sources --------------------------------------------------------------------------------

@@ -36,8 +36,6 @@ def build_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig, lr: float
                    head_epochs: int, steps_per_epoch: int, main: bool = True) -> Schedule:
     """timm's warmup + cosine schedule. A head phase before unfreezing gets its own (no warmup, head_lr),
     and the full fine-tuning after it starts afresh, as fastai's fine_tune does."""
-    from timm.scheduler import create_scheduler_v2
-
     scale = effective_batch / cfg.lr_base_size
     head_lr = (cfg.head_lr if cfg.head_lr is not None else HEAD_LR) * scale
     phases = []  # (first epoch, epochs, lr, warmup epochs)
@@ -45,28 +43,41 @@ def build_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig, lr: float
         phases.append((0, head_epochs, head_lr, 0))
     first = phases[0][1] if phases else 0
     epochs = cfg.epochs - first
-    warmup_epochs = cfg.warmup_epochs
-    if cfg.warmup_epochs * 2 > epochs:  # else the run is all warmup and ends by jumping to min_lr
-        warmup_epochs = round(epochs * steps_per_epoch / 5) / steps_per_epoch
-        if main:
-            what = f"the {epochs} epochs after the head phase" if first else f"this {epochs}-epoch run"
-            log.warning("--warmup-epochs %d would cover most of %s (ending it at min_lr, with no phase at full "
-                        "LR); warming up for a fifth of it instead: %s", cfg.warmup_epochs, what,
-                        epochs_and_steps(warmup_epochs, steps_per_epoch))
+    warmup_epochs = fitted_warmup_epochs(cfg.warmup_epochs, epochs, steps_per_epoch)
+    if warmup_epochs != cfg.warmup_epochs and main:
+        what = f"the {epochs} epochs after the head phase" if first else f"this {epochs}-epoch run"
+        log.warning("--warmup-epochs %d would cover most of %s (ending it at min_lr, with no phase at full "
+                    "LR); warming up for a fifth of it instead: %s", cfg.warmup_epochs, what,
+                    epochs_and_steps(warmup_epochs, steps_per_epoch))
     phases.append((first, epochs, head_lr if head_epochs == cfg.epochs else lr, warmup_epochs))
     if main:
         warn_if_few_steps(cfg, head_epochs, steps_per_epoch)
-    schedulers = []
-    for first_epoch, epochs, phase_lr, warmup in phases:
-        for group in optimizer.param_groups:
-            group["initial_lr"] = phase_lr  # what a timm scheduler takes as its base LR (times the layer's lr_scale)
-        scheduler, _ = create_scheduler_v2(
-            optimizer, sched="cosine", num_epochs=epochs, warmup_epochs=warmup, min_lr=cfg.min_lr,
-            warmup_lr=min(1e-6, phase_lr), step_on_epochs=False, updates_per_epoch=steps_per_epoch)
-        schedulers.append((first_epoch * steps_per_epoch, scheduler))
-    schedule = PhasedSchedule(schedulers)
+    schedule = PhasedSchedule([(first_epoch * steps_per_epoch, cosine(optimizer, phase_lr, epochs * steps_per_epoch,
+                                                                      warmup * steps_per_epoch, cfg.min_lr))
+                               for first_epoch, epochs, phase_lr, warmup in phases])
     schedule.step_update(0)
     return Schedule(schedule, head_lr, warmup_epochs)
+
+
+def cosine(optimizer: torch.optim.Optimizer, lr: float, steps: int, warmup_steps: float, min_lr: float) -> Any:
+    """timm's warmup + cosine from `lr` (times each group's lr_scale) to `min_lr` over `steps` optimizer steps:
+    after the last one the LR is min_lr."""
+    from timm.scheduler import create_scheduler_v2
+
+    for group in optimizer.param_groups:
+        group["initial_lr"] = lr  # what a timm scheduler takes as its base LR (times the layer's lr_scale)
+    scheduler, _ = create_scheduler_v2(optimizer, sched="cosine", num_epochs=steps, warmup_epochs=warmup_steps,
+                                       min_lr=min_lr, warmup_lr=min(1e-6, lr), step_on_epochs=False,
+                                       updates_per_epoch=1)
+    return scheduler
+
+
+def fitted_warmup_epochs(warmup_epochs: float, epochs: int, steps_per_epoch: int) -> float:
+    """--warmup-epochs, or a fifth of the run where it would cover most of it (the run would be all warmup and
+    end by jumping to min_lr)."""
+    if warmup_epochs * 2 > epochs:
+        return round(epochs * steps_per_epoch / 5) / steps_per_epoch
+    return warmup_epochs
 
 
 def epochs_and_steps(epochs: float, steps_per_epoch: int) -> str:

@@ -35,6 +35,7 @@ class TrainState:
     best_top1: float = -1.0
     best_epoch: int = -1
     rows: list[dict] = field(default_factory=list)  # metrics.csv's rows
+    budget: Optional[Any] = None  # a --time-budget's TimeBudget: its plan and the time used
 
     def state_dict(self) -> dict:
         return {
@@ -48,6 +49,7 @@ class TrainState:
             "best_top1": self.best_top1, "best_epoch": self.best_epoch, "rows": self.rows,
             "rng": rng_state(),
             "config": self.config.to_dict(),
+            "budget": self.budget.state_dict() if self.budget else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -60,6 +62,8 @@ class TrainState:
         self.epoch, self.step_in_epoch, self.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
         self.best_top1, self.best_epoch, self.rows = state["best_top1"], state["best_epoch"], state["rows"]
         set_rng_state(state["rng"])
+        if self.budget and state.get("budget"):
+            self.budget.load_state_dict(state["budget"])
 
     def record(self, top1: float) -> bool:
         """Count the epoch just validated; whether its top-1 is the best so far."""

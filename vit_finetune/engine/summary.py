@@ -49,6 +49,8 @@ def startup_lines(trainer: Trainer) -> list[str]:
                      "labels through their mean, the model's output, as timm does")
     if cfg.balance != "none":
         lines.append(f"class balance: {_BALANCE_LINES[cfg.balance]} (--balance {cfg.balance})")
+    if trainer.budget is not None:
+        lines.append(trainer.budget.describe())
     if cfg.patience:
         lines.append(f"early stopping: after {cfg.patience} epoch{'s' * (cfg.patience != 1)} without a better "
                      "val top-1")

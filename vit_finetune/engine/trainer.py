@@ -29,6 +29,7 @@ from ..tasks.inference import top_k_hits
 from ..tasks.report import confusion_scores
 from ..weights.preprocessing import preprocessing
 from . import callbacks as cb
+from .budget import TimeBudget
 from .distributed import all_sum, init_distributed, main_process_choice
 from .loop import EpochResult, Interrupted, StopFlag, run_steps
 from .model_setup import build_model, is_scratch
@@ -55,9 +56,11 @@ class RunResult:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path, resume_state: Optional[dict] = None,
-                 stop_flag: Optional[StopFlag] = None, progress: Optional[ProgressBar] = None):
+                 stop_flag: Optional[StopFlag] = None, progress: Optional[ProgressBar] = None,
+                 started: Optional[float] = None):
         """`stop_flag`: one already installed around the whole run (finetune's), so that a signal while the data is
-        scanned and cached stops the run too; without one, run() installs its own. `progress` shows the cache fill."""
+        scanned and cached stops the run too; without one, run() installs its own. `progress` shows the cache fill;
+        `started`: when the command started (time.monotonic()), which a --time-budget counts from."""
         self.cfg = cfg
         self.stop_flag, self._own_stop_flag = stop_flag or StopFlag(), stop_flag is None
         self.folder = RunFolder(run_dir)
@@ -96,7 +99,8 @@ class Trainer:
         self._build_data(progress)
         self.plan.freeze_for_the_run(self.model)
         self._build_optimization()
-        self.state = TrainState(cfg, self.model, self.optimizer, self.scaler, self.ema)
+        self.budget = TimeBudget(self, started) if cfg.time_budget else None
+        self.state = TrainState(cfg, self.model, self.optimizer, self.scaler, self.ema, budget=self.budget)
         if resume_state is not None:
             self.state.load_state_dict(resume_state)
             # the schedule is a function of the step: rebuilt from this run's options, so more --epochs extend it
@@ -192,9 +196,11 @@ class Trainer:
         self.net = module
 
     def _callbacks(self, progress: ProgressBar) -> cb.Callbacks:
-        """In order: early stopping decides first (a stop forces a checkpoint and the curves); then the best model
+        """In order: a --time-budget's planner (it re-plans, and puts its plan into the row metrics.csv gets); early
+        stopping decides next (a stop forces a checkpoint and the curves); then the best model
         and at once the checkpoint, so that a kill -9 leaves a run that resumes; then metrics, curves and trackers."""
-        callbacks: list[cb.Callback] = [cb.EarlyStopping(self.cfg.patience)] if self.cfg.patience else []
+        callbacks: list[cb.Callback] = [self.budget] if self.budget else []  # first: it adds the plan to the rows
+        callbacks += [cb.EarlyStopping(self.cfg.patience)] if self.cfg.patience else []
         if self.ddp.main:
             callbacks.append(cb.BestModelSaver(self.folder))
         callbacks.append(cb.Checkpointer(self.cfg.save_every))
@@ -204,7 +210,7 @@ class Trainer:
 
     # -- the run
     def run(self, progress: ProgressBar) -> RunResult:
-        cfg, state = self.cfg, self.state
+        state = self.state
         self.progress = progress
         self.callbacks = self._callbacks(progress)
         interrupted, status = False, "failed"
@@ -213,7 +219,7 @@ class Trainer:
             with self.stop_flag if self._own_stop_flag else contextlib.nullcontext():
                 try:
                     self.check_interrupt()  # a signal while the data was scanned or cached
-                    while state.epoch < cfg.epochs and not self.stop_reason:
+                    while state.epoch < self.plan.epochs and not self.stop_reason:
                         self._enter(self.plan.at(state.epoch))
                         self.data_wait = [0.0]
                         steps = self.phase.steps(self, progress)  # a head phase's feature pass runs here, untimed
@@ -223,7 +229,7 @@ class Trainer:
                         if result.interrupted:
                             raise Interrupted
                         self._end_epoch(result, time.perf_counter() - start)
-                        if state.epoch < cfg.epochs and not self.stop_reason and self.stop_requested():
+                        if state.epoch < self.plan.epochs and not self.stop_reason and self.stop_requested():
                             raise Interrupted  # a signal in the last step
                 except Interrupted:
                     self.save_checkpoint()  # at step 0 when nothing was done yet: a resume starts the pass again
@@ -262,7 +268,7 @@ class Trainer:
             row["ema"] = best_model is self.ema.module
         improved = state.record(scores["val_top1"])
         state.rows.append(row)
-        self.checkpoint_due = phase.wants_checkpoint(state.epoch >= cfg.epochs or self.plan.at(state.epoch)
+        self.checkpoint_due = phase.wants_checkpoint(state.epoch >= self.plan.epochs or self.plan.at(state.epoch)
                                                      is not phase)
         self.callbacks.on_epoch_end(self, row, best_model if improved else None)
 
