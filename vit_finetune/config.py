@@ -35,9 +35,20 @@ def option(default: Any = dataclasses.MISSING, *, help: str, panel: Optional[str
 class TrainConfig:
     """Every option of a run; recipes (YAML) and CLI flags set these fields by name."""
 
-    data: str = option("", panel=DATA, help="Image folder: class folders, train/ + val/, or the Intel layout.",
-                       metavar="DIR", hyperparameter=False)
-    val_split: float = option(0.1, panel=DATA, help="Validation fraction for a single folder of classes.")
+    data: str = option("", panel=DATA, help="Image folder (class folders, train/ + val/, or the Intel layout), or a "
+                       "label file: .csv, .tsv or .jsonl with a path and a label per row.",
+                       metavar="DIR|FILE", hyperparameter=False)
+    val_split: float = option(0.1, panel=DATA, help="Validation fraction for a single folder of classes, or a label "
+                              "file without a split column.")
+    image_column: Optional[str] = option(None, panel=DATA, metavar="NAME", hyperparameter=False,
+                                         when_none="path, image, file or filename",
+                                         help="A label file's column of image paths.")
+    label_column: Optional[str] = option(None, panel=DATA, metavar="NAME", hyperparameter=False,
+                                         when_none="label, labels, class or category",
+                                         help="A label file's column of labels (several per row: a|b, a;b, or a "
+                                         "JSON list).")
+    multi_label: bool = option(False, panel=DATA, help="Multi-label classification (sigmoid outputs, one threshold "
+                               "per class) even if no row has several labels.")
     cache: bool = option(False, panel=DATA, help="Decode every image once and keep it in memory.",
                          hyperparameter=False)
     workers: Optional[int] = option(None, panel=DATA, help="DataLoader worker processes.",
@@ -69,6 +80,8 @@ class TrainConfig:
     clip_grad: Optional[float] = option(1.0, panel=OPTIMISATION, help="Gradient norm clip (0 = off).")
     label_smoothing: float = option(0.1, panel=OPTIMISATION,
                                     help="Label smoothing of the cross-entropy loss (0 = off).")
+    loss: str = option("auto", panel=OPTIMISATION, help="auto (cross-entropy; binary cross-entropy for multi-label), "
+                       "bce or asl (timm's AsymmetricLossMultiLabel): the last two are multi-label losses.")
     ema: bool = option(False, panel=OPTIMISATION,
                        help="Keep an EMA of the weights; it is saved when it validates better.")
     ema_decay: float = option(0.9998, help="Decay of the weights' EMA.")

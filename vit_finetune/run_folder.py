@@ -24,7 +24,7 @@ log = logging.getLogger("vitft")
 PathLike = Union[str, os.PathLike]
 CHECKPOINT = Path("last") / "checkpoint.pt"
 METRIC_FIELDS = ["epoch", "train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_s", "seconds",
-                 "data_wait", "peak_mem_gb", "val_images"]
+                 "data_wait", "peak_mem_gb", "val_images", "val_mAP", "val_f1_macro"]
 CURVES = "curves.png"
 CARD_IMAGES = (CURVES, "confusion_matrix.png")  # the pictures a model card embeds, when the run has them
 

@@ -1,5 +1,5 @@
-"""Finding the images: the folder layouts a dataset may have, its train/val/test splits, and image files named
-by files, folders or globs. Reads folder listings only, never an image."""
+"""Finding the images: the folder layouts a dataset may have, label files (label_files.py), their train/val/test
+splits, and image files named by files, folders or globs. Reads folder listings and image headers only."""
 from __future__ import annotations
 
 import glob
@@ -11,6 +11,7 @@ from itertools import groupby
 from pathlib import Path
 
 from ..errors import VitftError
+from .label_files import is_label_file, read_label_file
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 VAL_NAMES = ("val", "valid", "validation")
@@ -18,7 +19,8 @@ LAYOUTS = (
     "root/train/<class>/ with root/val|valid|validation|test/<class>/, "
     "the Kaggle Intel layout root/seg_train/ (+ seg_test/, seg_pred/), or root/<class>/ split by val_split"
 )
-Sample = tuple[Path, int]
+Label = int | tuple[int, ...]  # a class index, or the class indices of a multi-label sample
+Sample = tuple[Path, Label]
 
 
 @dataclass
@@ -30,6 +32,7 @@ class DatasetSplits:
     val: list[Sample]
     test: list[Sample] | None
     layout: str
+    multi_label: bool = False  # labels are tuples of class indices
 
     def class_counts(self) -> dict[str, dict[str, int]]:
         """{split: {class: number of images}} for train, val and (if present) test."""
@@ -37,13 +40,17 @@ class DatasetSplits:
         counts = {}
         for split, samples in splits.items():
             if samples is not None:
-                labels = [label for _, label in samples]
-                counts[split] = {c: labels.count(i) for i, c in enumerate(self.classes)}
+                labels = [label if isinstance(label, tuple) else (label,) for _, label in samples]
+                counts[split] = {c: sum(i in label for label in labels) for i, c in enumerate(self.classes)}
         return counts
 
 
-def find_dataset(root: str | Path, val_split: float = 0.1, seed: int = 0) -> DatasetSplits:
-    """Detect the folder layout and list labelled samples; fails early, with a fix, on layouts training can't use."""
+def find_dataset(root: str | Path, val_split: float = 0.1, seed: int = 0, *, image_column: str | None = None,
+                 label_column: str | None = None) -> DatasetSplits:
+    """Detect the folder layout (or read a label file) and list labelled samples; fails early, with a fix, on
+    layouts training can't use. `image_column` and `label_column` name a label file's columns."""
+    if is_label_file(root):
+        return _label_file_splits(Path(root), val_split, seed, image_column, label_column)
     root = _unwrap(Path(root).expanduser())
     if not root.is_dir():
         what = "is not a folder" if root.exists() else "does not exist"
@@ -71,6 +78,25 @@ def find_dataset(root: str | Path, val_split: float = 0.1, seed: int = 0) -> Dat
         layout += f" split {round(100 * (1 - val_split))}/{round(100 * val_split)} (seed {seed})"
     test = _labelled(_unwrap(test_dir), classes) if test_dir else None
     return DatasetSplits(classes, train, val, test, layout)
+
+
+def _label_file_splits(path: Path, val_split: float, seed: int, image_column: str | None,
+                       label_column: str | None) -> DatasetSplits:
+    """A label file's rows by their split column, else split by val_split as a single folder is."""
+    classes, rows, multi_label = read_label_file(path, image_column, label_column)
+    index = {name: i for i, name in enumerate(classes)}
+    by_split: dict[str, list[Sample]] = {"train": [], "val": [], "test": []}
+    for _, file, names, split in rows:
+        ids = tuple(index[n] for n in names)
+        by_split[split or "train"].append((file, ids if multi_label else ids[0]))
+    train, val, test = by_split["train"], by_split["val"], by_split["test"] or None
+    layout = f"label file {path.name}"
+    if any(split for *_, split in rows):
+        layout += ", train/val/test by row"
+    if not val:  # no val rows: split the train rows, and keep the test rows for `evaluate`
+        train, val = _split(train, val_split, seed)
+        layout += f" split {round(100 * (1 - val_split))}/{round(100 * val_split)} (seed {seed})"
+    return DatasetSplits(classes, train, val, test, layout, multi_label)
 
 
 def list_images(path_or_paths: str | Path | Iterable[str | Path]) -> list[Path]:
