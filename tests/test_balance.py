@@ -214,8 +214,11 @@ def test_bad_balance_is_one_line(imbalanced, tiny_model_dir, tmp_path):
                  balance="sampel", **TINIEST)
     assert not (tmp_path / "run").exists()  # refused before anything is written
     with pytest.raises(VitftError, match="--balance loss is for single-label data, and this data is multi-label"):
-        check_balance("loss", [0, (0, 1)])
-    check_balance("none", [0, (0, 1)])  # multi-label trains unbalanced
+        check_balance("loss", multi_label=True)
+    check_balance("none", multi_label=True)  # multi-label trains unbalanced
+    with pytest.raises(VitftError, match="--balance sampler is for single-label data"):  # --multi-label, one label
+        finetune(data=str(imbalanced), pretrained=str(tiny_model_dir), output=str(tmp_path / "ml"),
+                 balance="sampler", multi_label=True, **TINIEST)
 
 
 def test_balanced_accuracy_and_macro_f1_from_known_counts():

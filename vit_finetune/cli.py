@@ -30,6 +30,8 @@ from .terminal import Command, Group, console, print_report, setup_logging
 # where a model comes from, as evaluate, predict and explain take it
 MODEL_HELP = "Run or model folder, weights file (with --model), hf-hub:org/repo, or a timm name (with --pretrained)."
 PRECISION_HELP = "auto, fp32, bf16 or fp16 (auto: bf16 on CUDA, or on a CPU where it measures faster)."
+THRESHOLD_HELP = "Multi-label models: the probability a label needs, for every class."
+THRESHOLD_DEFAULT = "each class's, chosen on the validation images"
 INTERRUPTED_EXIT = 130  # what a shell reports for a program stopped by Ctrl-C (128 + SIGINT)
 
 app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -206,11 +208,12 @@ def _summary(result) -> None:
     table.add_column()
     table.add_row("run folder", escape(_printable(result.run_dir)))
     table.add_row("epochs done", str(result.epochs_done))
-    if result.best_epoch > 0:
-        table.add_row("best val top-1", f"{100 * result.best_top1:.1f}% (epoch {result.best_epoch})")
     last = result.metrics[-1] if result.metrics else None
+    metric, key = ("mAP", "val_mAP") if last and "val_mAP" in last else ("top-1", "val_top1")  # multi-label: mAP
+    if result.best_epoch > 0:
+        table.add_row(f"best val {metric}", f"{100 * result.best_top1:.1f}% (epoch {result.best_epoch})")
     if last:
-        table.add_row("last val top-1", f"{100 * last['val_top1']:.1f}%")
+        table.add_row(f"last val {metric}", f"{100 * last[key]:.1f}%")
         table.add_row("last train loss", f"{last['train_loss']:.4f}")
     console.print(table)
     if result.stop_reason:
@@ -248,7 +251,8 @@ def _quoted(path) -> str:
 @command("evaluate")
 def evaluate_cmd(
     model: str = typer.Argument(..., help=MODEL_HELP),
-    data: str = typer.Option(..., "--data", help="Labelled images in any layout finetune accepts.", metavar="DIR"),
+    data: str = typer.Option(..., "--data", help="Labelled images in any layout finetune accepts, or a label file "
+                             "(.csv, .tsv, .jsonl).", metavar="DIR|FILE"),
     split: Optional[str] = typer.Option(None, help="train, val or test.", show_default=(
         "test if present, else val; a single folder is evaluated whole")),
     arch: Optional[str] = typer.Option(None, "--model", help="Architecture of a bare weights file.", metavar="ARCH"),
@@ -271,6 +275,11 @@ def evaluate_cmd(
                                                   "a run's own split on the data it trained on, else a single "
                                                   "folder is evaluated whole")),
     seed: Optional[int] = typer.Option(None, help="Seed of that split.", show_default="the run's, else 0"),
+    threshold: Optional[float] = typer.Option(None, help=THRESHOLD_HELP, show_default=THRESHOLD_DEFAULT),
+    image_column: Optional[str] = typer.Option(None, help="A label file's column of image paths.", metavar="NAME",
+                                               show_default="path, image, file or filename"),
+    label_column: Optional[str] = typer.Option(None, help="A label file's column of labels.", metavar="NAME",
+                                               show_default="label, labels, class or category"),
 ):
     """Evaluate a model on labelled images: metrics, per-class table, confusion matrix, mistakes."""
     from .progress import ProgressBar
@@ -281,8 +290,13 @@ def evaluate_cmd(
                           workers=workers, threads=threads, device=device, precision=precision,
                           output=output or DEFAULT_OUTPUT,
                           arch=arch, progress=bar, val_split=val_split, seed=seed,
-                          explain="rollout" if explain else None, pretrained=pretrained)
-    print_report(report)
+                          explain="rollout" if explain else None, pretrained=pretrained, threshold=threshold,
+                          image_column=image_column, label_column=label_column)
+    if hasattr(report, "summary_lines"):  # a multi-label report
+        for line in report.summary_lines():
+            console.print(escape(line), highlight=False, soft_wrap=True)
+    else:
+        print_report(report)
 
 
 @command("shards")
@@ -327,8 +341,10 @@ def predict_cmd(
     img_size: Optional[int] = typer.Option(None, help="Predict at this resolution (position embedding resized).",
                                            show_default="the model's"),
     tta: bool = typer.Option(False, "--tta", help="Average the predictions of each image and its mirror image."),
+    threshold: Optional[float] = typer.Option(None, help=THRESHOLD_HELP, show_default=THRESHOLD_DEFAULT),
 ):
-    """Predict the top-k labels of images; unreadable files become rows with an error."""
+    """Predict the top-k labels of images (multi-label: those above threshold); unreadable files become rows with an
+    error."""
     from .progress import ProgressBar
     from .tasks.predict import predict
 
@@ -336,7 +352,7 @@ def predict_cmd(
     with ProgressBar("predicting", enabled=bool(output) or not sys.stdout.isatty(), min_total=128) as bar:
         rows = predict(model, inputs, top_k=top_k, img_size=img_size, tta=tta, batch_size=batch_size,
                        workers=workers, threads=threads, device=device, precision=precision, arch=arch, progress=bar,
-                       pretrained=pretrained, output=output or sys.stdout, fmt=fmt)
+                       pretrained=pretrained, output=output or sys.stdout, fmt=fmt, threshold=threshold)
     bad = sum(row.error is not None for row in rows)
     good = rows.total - bad
     if output:

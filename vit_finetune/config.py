@@ -35,10 +35,11 @@ def option(default: Any = dataclasses.MISSING, *, help: str, panel: Optional[str
 class TrainConfig:
     """Every option of a run; recipes (YAML) and CLI flags set these fields by name."""
 
-    data: str = option("", panel=DATA, help="Image folder (class folders, train/ + val/, or the Intel layout), "
-                       "hf:NAME, a save_to_disk or parquet dataset, or tar shards 'train-{000..099}.tar'.",
-                       metavar="DATA", hyperparameter=False)
-    val_split: float = option(0.1, panel=DATA, help="Validation fraction for a single folder of classes.")
+    data: str = option("", panel=DATA, help="Image folder (class folders, train/ + val/, or the Intel layout), a "
+                       "label file (.csv, .tsv or .jsonl with a path and a label per row), hf:NAME, a save_to_disk or "
+                       "parquet dataset, or tar shards 'train-{000..099}.tar'.", metavar="DATA", hyperparameter=False)
+    val_split: float = option(0.1, panel=DATA, help="Validation fraction for a single folder of classes, or a label "
+                              "file without a split column.")
     data_config: Optional[str] = option(None, panel=DATA, metavar="NAME", when_none="the dataset's default",
                                         help="With --data hf:NAME: the dataset's configuration (subset).")
     data_revision: Optional[str] = option(None, panel=DATA, metavar="REV", when_none="main",
@@ -53,6 +54,15 @@ class TrainConfig:
     steps_per_epoch: Optional[int] = option(None, panel=DATA, metavar="N", when_none="one pass over a list of "
                                             "images; required for streams",
                                             help="Optimizer steps per epoch of streamed data (--streaming, shards).")
+    image_column: Optional[str] = option(None, panel=DATA, metavar="NAME", hyperparameter=False,
+                                         when_none="path, image, file or filename",
+                                         help="A label file's column of image paths.")
+    label_column: Optional[str] = option(None, panel=DATA, metavar="NAME", hyperparameter=False,
+                                         when_none="label, labels, class or category",
+                                         help="A label file's column of labels (several per row: a|b, a;b, or a "
+                                         "JSON list).")
+    multi_label: bool = option(False, panel=DATA, help="Multi-label classification (sigmoid outputs, one threshold "
+                               "per class) even if no row has several labels.")
     cache: bool = option(False, panel=DATA, help="Decode every image once and keep it in memory.",
                          hyperparameter=False)
     workers: Optional[int] = option(None, panel=DATA, help="DataLoader worker processes.",
@@ -95,6 +105,8 @@ class TrainConfig:
     balance: str = option("none", panel=OPTIMISATION, metavar="HOW",
                           help="Imbalanced classes: none; sampler (draw each class equally often); loss (class-"
                           "weighted cross-entropy, 1/count); sqrt (weights 1/sqrt(count)). Single-label data only.")
+    loss: str = option("auto", panel=OPTIMISATION, help="auto (cross-entropy; binary cross-entropy for multi-label), "
+                       "bce or asl (timm's AsymmetricLossMultiLabel): the last two are multi-label losses.")
     ema: bool = option(False, panel=OPTIMISATION,
                        help="Keep an EMA of the weights; it is saved when it validates better.")
     ema_decay: float = option(0.9998, help="Decay of the weights' EMA.")

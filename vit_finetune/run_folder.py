@@ -27,7 +27,8 @@ PathLike = Union[str, os.PathLike]
 CHECKPOINT = Path("last") / "checkpoint.pt"
 ADAPTER_DIR = "adapter"  # a LoRA run's adapter: adapter_config.json + adapter_model.safetensors
 METRIC_FIELDS = ["epoch", "train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_s", "seconds",
-                 "data_wait", "peak_mem_gb", "val_images", "val_balanced_accuracy", "val_f1_macro"]
+                 "data_wait", "peak_mem_gb", "val_images", "val_balanced_accuracy", "val_f1_macro",
+                 "val_mAP"]
 PLAN_FIELDS = ["planned_epochs", "planned_steps", "planned_end"]  # a --time-budget's plan, in runs that have one
 CURVES = "curves.png"
 CARD_IMAGES = (CURVES, "confusion_matrix.png")  # the pictures a model card embeds, when the run has them

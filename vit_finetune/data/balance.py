@@ -22,12 +22,12 @@ IMBALANCE_RATIO = 10  # largest / smallest training class beyond which the start
 FEW_IMAGES = 10  # training images below which a class gets a warning
 
 
-def check_balance(balance: str, labels: Sequence = ()) -> None:
-    """A one-line VitftError for an unknown --balance, or one other than none on multi-label data (tuple labels)."""
+def check_balance(balance: str, multi_label: bool = False) -> None:
+    """A one-line VitftError for an unknown --balance, or one other than none on multi-label data."""
     if balance not in BALANCE_CHOICES:
         raise VitftError(f"unknown --balance {balance!r}{did_you_mean(balance, BALANCE_CHOICES)}; use one of "
                          f"{', '.join(BALANCE_CHOICES)}")
-    if balance != "none" and any(isinstance(label, tuple) for label in labels):
+    if balance != "none" and multi_label:
         raise VitftError(f"--balance {balance} is for single-label data, and this data is multi-label (several "
                          "labels per image); use --balance none")
 

@@ -1,6 +1,7 @@
-"""Finding the images: the folder layouts a dataset may have, its train/val/test splits, and image files named
-by files, folders or globs. Reads folder listings only, never an image. find_dataset is the one entry point for
---data: it also hands Hugging Face datasets to hf.py and tar shards to shards.py, and chooses their splits."""
+"""Finding the images: the folder layouts a dataset may have, label files (label_files.py), their train/val/test
+splits, and image files named by files, folders or globs. Reads folder listings and image headers only.
+find_dataset is the one entry point for --data: it also hands Hugging Face datasets to hf.py and tar shards to
+shards.py, and chooses their splits."""
 from __future__ import annotations
 
 import glob
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import VitftError
+from .label_files import is_label_file, read_label_file
+from .labels import Label
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 VAL_NAMES = ("val", "valid", "validation")
@@ -20,7 +23,7 @@ LAYOUTS = (
     "root/train/<class>/ with root/val|valid|validation|test/<class>/, "
     "the Kaggle Intel layout root/seg_train/ (+ seg_test/, seg_pred/), or root/<class>/ split by val_split"
 )
-Sample = tuple[Any, Any]  # (a Path or images.ImageSource, a class index or a tuple of them)
+Sample = tuple[Any, Label]  # (a Path or images.ImageSource, its label)
 
 
 @dataclass
@@ -32,7 +35,7 @@ class DatasetSplits:
     val: list[Sample]
     test: list[Sample] | None
     layout: str
-    multi_label: bool = False
+    multi_label: bool = False  # labels are tuples of class indices
 
     @property
     def streamed(self) -> bool:
@@ -47,20 +50,26 @@ class DatasetSplits:
         counts = {}
         for split, samples in splits.items():
             if samples is not None:
-                labels = [label for _, label in samples]
-                counts[split] = {c: labels.count(i) for i, c in enumerate(self.classes)}
+                labels = [label if isinstance(label, tuple) else (label,) for _, label in samples]
+                counts[split] = {c: sum(i in label for label in labels) for i, c in enumerate(self.classes)}
         return counts
 
 
 def find_dataset(root: str | Path, val_split: float = 0.1, seed: int = 0, *, config: Optional[str] = None,
                  revision: Optional[str] = None, streaming: bool = False, val_data: Optional[str] = None,
-                 label_names: Optional[str | list[str]] = None) -> DatasetSplits:
+                 label_names: Optional[str | list[str]] = None, image_column: Optional[str] = None,
+                 label_column: Optional[str] = None) -> DatasetSplits:
     """Detect what --data is and list labelled samples; fails early, with a fix, on data training can't use.
 
     A folder of images (LAYOUTS); a Hugging Face dataset (hf:NAME with `config` and `revision`, a save_to_disk
     folder, parquet: hf.py), streamed with `streaming`; or tar shards (shards.py), with `val_data` shards to
     validate on. `label_names` (a list, or comma-separated) name the classes of integer labels without names.
+    A label file (.csv, .tsv, .jsonl: label_files.py), its columns named by `image_column` and `label_column`.
     """
+    if is_label_file(root):
+        if streaming:
+            raise VitftError(f"--streaming reads a Hugging Face dataset (hf:NAME or parquet); {root} is a label file")
+        return _label_file_splits(Path(root), val_split, seed, image_column, label_column)
     if isinstance(label_names, str):
         label_names = [name.strip() for name in label_names.split(",") if name.strip()]
     from .hf import is_hf_source, load_hf_splits
@@ -122,6 +131,25 @@ def _chosen_splits(data: str, classes: list[str], found: dict[str, Any], layout:
         train, val = _split(train, val_split, seed)
         layout += f" split {round(100 * (1 - val_split))}/{round(100 * val_split)} (seed {seed})"
     multi_label = multi_label or any(isinstance(label, tuple) for _, label in ([] if streamed else train))
+    return DatasetSplits(classes, train, val, test, layout, multi_label)
+
+
+def _label_file_splits(path: Path, val_split: float, seed: int, image_column: str | None,
+                       label_column: str | None) -> DatasetSplits:
+    """A label file's rows by their split column, else split by val_split as a single folder is."""
+    classes, rows, multi_label = read_label_file(path, image_column, label_column)
+    index = {name: i for i, name in enumerate(classes)}
+    by_split: dict[str, list[Sample]] = {"train": [], "val": [], "test": []}
+    for _, file, names, split in rows:
+        ids = tuple(index[n] for n in names)
+        by_split[split or "train"].append((file, ids if multi_label else ids[0]))
+    train, val, test = by_split["train"], by_split["val"], by_split["test"] or None
+    layout = f"label file {path.name}"
+    if any(split for *_, split in rows):
+        layout += ", train/val/test by row"
+    if not val:  # no val rows: split the train rows, and keep the test rows for `evaluate`
+        train, val = _split(train, val_split, seed)
+        layout += f" split {round(100 * (1 - val_split))}/{round(100 * val_split)} (seed {seed})"
     return DatasetSplits(classes, train, val, test, layout, multi_label)
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import VitftError
-from .streams import Label, Record
+from .labels import Label
+from .streams import Record
 
 log = logging.getLogger("vitft")
 

@@ -24,6 +24,7 @@ from ..runtime import CpuPlan, fit_cpu_threads, torch_threads
 from .balance import ClassBalancedSampler
 from .datasets import Sample
 from .images import ImageLike, few, load_rgb, probe, shrunk
+from .labels import multi_hot
 
 log = logging.getLogger("vitft")
 
@@ -42,6 +43,8 @@ class ImageDataset(Dataset):
     shorter side is at most 1.15 * max(img_size / crop_pct, img_size): eval resizes to img_size / crop_pct anyway, while
     train crops lose a little detail, and RAM drops a lot for photos larger than that (full size if img_size is None).
     return_index=True adds the index of the image actually returned (a bad image's replacement, for predict).
+    num_classes (multi-label): labels, a class index or a tuple of them, come out as multi-hot float vectors of
+    that length, which batch into a (batch, num_classes) target as they are.
     """
 
     def __init__(
@@ -53,9 +56,10 @@ class ImageDataset(Dataset):
         crop_pct: float = DEFAULT_CROP_PCT,
         return_index: bool = False,
         name: str = "images",
+        num_classes: int | None = None,
     ):
-        pairs = [(_image(s[0]), s[1] if isinstance(s[1], tuple) else int(s[1])) if isinstance(s, (tuple, list))
-                 else (_image(s), -1) for s in samples]
+        pairs = [(_image(s[0]), _label(s[1])) if isinstance(s, (tuple, list)) else (_image(s), -1)
+                 for s in samples]
         with ThreadPoolExecutor(8) as pool:  # header reads only; threads hide the latency of network file systems
             probes = list(pool.map(probe, [p for p, _ in pairs]))
         bad = [f"{p} ({why})" for (p, _), why in zip(pairs, probes) if isinstance(why, str)]
@@ -69,6 +73,7 @@ class ImageDataset(Dataset):
         self.paths, self.labels, self.sizes = (list(column) for column in zip(*good))
         self.failed = torch.zeros(len(self.paths), dtype=torch.bool).share_memory_()  # set by any worker
         self.transform, self.return_index, self.name, self.cache = transform, return_index, name, cache
+        self.num_classes = num_classes
         self.img_size = img_size
         side = max(to_int_pair(img_size)) if img_size else None
         self.cache_side = math.ceil(1.15 * max(side / crop_pct, side)) if cache and side else None
@@ -110,7 +115,8 @@ class ImageDataset(Dataset):
         if epoch >= 0:
             _seed_transform(self, int(np.random.SeedSequence([seed % 2**32, epoch, index]).generate_state(1)[0]))
         x = self.transform(image=image)["image"]
-        return (x, self.labels[i], i) if self.return_index else (x, self.labels[i])
+        target = self.labels[i] if self.num_classes is None else multi_hot(self.labels[i], self.num_classes)
+        return (x, target, i) if self.return_index else (x, target)
 
     def _load(self, i: int) -> np.ndarray:
         if self._cache is None:
@@ -174,6 +180,10 @@ class ImageDataset(Dataset):
                 self.name, len(failed), len(failed) + len(self.unreadable), few(failed),
             )
             self._reported = len(failed)
+
+
+def _label(label) -> int | tuple[int, ...]:
+    return tuple(int(i) for i in label) if isinstance(label, (tuple, list)) else int(label)
 
 
 class _Loader(DataLoader):

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, Optional
 from ..errors import VitftError
 from ..files import atomic_write
 from .images import few, open_image
-from .streams import Label, Record
+from .labels import Label
+from .streams import Record
 
 if TYPE_CHECKING:
     from .datasets import DatasetSplits

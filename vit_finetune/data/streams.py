@@ -21,10 +21,10 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ..errors import VitftError
 from .images import ImageLike, load_rgb
+from .labels import Label, multi_hot
 
 log = logging.getLogger("vitft")
 
-Label = int | tuple[int, ...]
 Record = tuple[str, ImageLike, Label]  # (key that names the image, the image, its label)
 
 
@@ -72,8 +72,10 @@ class StreamDataset(IterableDataset):
     """
 
     def __init__(self, source: RecordSource, transform: Callable[..., dict], rank: int = 0, world: int = 1,
-                 name: str = "images"):
+                 name: str = "images", num_classes: Optional[int] = None):
+        """num_classes (multi-label): labels come out as multi-hot float vectors of that length, as ImageDataset's."""
         self.source, self.transform, self.rank, self.world, self.name = source, transform, rank, world, name
+        self.num_classes = num_classes
         self._epoch = torch.tensor([0, -1, 0]).share_memory_()  # (seed, epoch, pass), shared with the workers
         self._failed = torch.zeros(1, dtype=torch.long).share_memory_()  # images skipped, counted by any worker
         self._reported = 0
@@ -98,7 +100,8 @@ class StreamDataset(IterableDataset):
                 continue
             if epoch >= 0 and hasattr(self.transform, "set_random_seed"):
                 self.transform.set_random_seed(shuffle_seed(seed, epoch, zlib.crc32(key.encode())))
-            yield self.transform(image=array)["image"], label
+            yield self.transform(image=array)["image"], label if self.num_classes is None else \
+                multi_hot(label, self.num_classes)
 
     def report_skipped(self) -> None:
         """Warn about images that could not be decoded since the last report."""

@@ -19,6 +19,7 @@ from ..progress import format_rate
 from ..run_folder import RunFolder
 from ..weights.download import endpoint_unreachable
 from .loop import StepEnd
+from .objective import metric_name, selection_metric
 
 if TYPE_CHECKING:
     from ..progress import ProgressBar
@@ -75,7 +76,7 @@ class Callbacks(Callback):
 
 
 class EarlyStopping(Callback):
-    """Stop when val top-1 has not improved for `patience` epochs; the best model is already saved."""
+    """Stop when val top-1 (multi-label: mAP) has not improved for `patience` epochs; the best model is saved."""
 
     def __init__(self, patience: int):
         self.patience = patience
@@ -83,7 +84,8 @@ class EarlyStopping(Callback):
     def on_epoch_end(self, trainer, row, best):
         state = trainer.state
         if state.epoch - state.best_epoch >= self.patience and state.epoch < trainer.plan.epochs:
-            trainer.stop(f"early stopping: val top-1 has not improved for {self.patience} epoch"
+            trainer.stop(f"early stopping: val {metric_name(trainer.multi_label)} has not improved for "
+                         f"{self.patience} epoch"
                          f"{'s' * (self.patience != 1)} (best {100 * state.best_top1:.1f}% at epoch "
                          f"{state.best_epoch})")
 
@@ -102,7 +104,8 @@ class BestModelSaver(Callback):
             "train": cfg.to_dict(),
             "data": {"root": str(cfg.data), "layout": splits.layout, "classes": trainer.classes,
                      "counts": splits.class_counts()},
-            "best": {"epoch": trainer.state.best_epoch, "val_top1": trainer.state.best_top1}})
+            "best": {"epoch": trainer.state.best_epoch,
+                     selection_metric(trainer.multi_label): trainer.state.best_top1}})
 
 
 class MetricsLog(Callback):
@@ -139,6 +142,8 @@ class Progress(Callback):
         if not self.main:
             return
         top5 = f" top-5 {100 * row['val_top5']:.1f}%" if row.get("val_top5") is not None else ""
+        if "val_mAP" in row:
+            top5 += f" mAP {100 * row['val_mAP']:.1f}% F1 {100 * row['val_f1_macro']:.1f}%"
         ema = " (EMA)" if row.get("ema") else ""
         log.info("epoch %d/%d: train loss %.4f | val loss %.4f top-1 %.1f%%%s%s | %s img/s, %.0fs",
                  row["epoch"], trainer.plan.epochs, row["train_loss"], row["val_loss"], 100 * row["val_top1"], top5,

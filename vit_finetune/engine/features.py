@@ -29,7 +29,7 @@ class FeatureSet:
     """Pooled features and their labels; the rows of each augmented view of the data follow one another."""
 
     features: torch.Tensor  # (rows, dim), (rows, 2, dim) for a distilled model's two tokens, or (rows, tokens, dim)
-    labels: torch.Tensor  # (rows,), int64
+    labels: torch.Tensor  # (rows,) int64, or (rows, classes) multi-hot float32
     view_sizes: list[int] = field(default_factory=list)  # rows per view; [] = one view
 
     def __len__(self) -> int:
@@ -103,4 +103,6 @@ def extract_features(model: nn.Module, loader, device: torch.device, precision: 
             view_sizes.append(rows)
     finally:
         model.train(was_training)
-    return FeatureSet(torch.cat(feats) if into is None else into[:filled], torch.cat(labels).long(), view_sizes)
+    targets = torch.cat(labels)  # class indices, or multi-hot float vectors (multi-label)
+    return FeatureSet(torch.cat(feats) if into is None else into[:filled],
+                      targets if targets.is_floating_point() else targets.long(), view_sizes)

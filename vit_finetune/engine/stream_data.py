@@ -31,8 +31,9 @@ def build_stream_data(trainer: Trainer) -> None:
     if cfg.balance != "none":
         raise VitftError(f"--balance {cfg.balance} needs the class counts of a list of images, which a stream does "
                          "not have; use --balance none, or --data without --streaming")
-    trainer.train_set = StreamDataset(splits.train, trainer.train_tf, ddp.rank, ddp.world, name="train")
-    trainer.val_set = StreamDataset(splits.val, trainer.eval_tf, ddp.rank, ddp.world, name="val")
+    targets = len(splits.classes) if trainer.multi_label else None  # multi-hot targets of this length
+    trainer.train_set = StreamDataset(splits.train, trainer.train_tf, ddp.rank, ddp.world, "train", targets)
+    trainer.val_set = StreamDataset(splits.val, trainer.eval_tf, ddp.rank, ddp.world, "val", targets)
     loader = dict(workers=cfg.workers, threads=cfg.threads, device_type=trainer.device.type, seed=cfg.seed)
     trainer.train_loader = build_loader(trainer.train_set, cfg.batch_size, train=True, **loader)
     trainer.val_loader = build_loader(trainer.val_set, cfg.batch_size, train=False, **loader)

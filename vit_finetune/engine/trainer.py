@@ -33,6 +33,7 @@ from .budget import TimeBudget
 from .distributed import all_sum, init_distributed, main_process_choice
 from .loop import EpochResult, Interrupted, StopFlag, run_steps
 from .model_setup import build_model, is_scratch
+from .objective import losses, mark_task, selection_metric, validate_multilabel
 from .phases import PhasePlan
 from .schedule import build_schedule
 from .state import TrainState, model_from_checkpoint
@@ -74,7 +75,9 @@ class Trainer:
 
         self.splits: DatasetSplits = find_dataset(
             cfg.data, cfg.val_split, cfg.seed, config=cfg.data_config, revision=cfg.data_revision,
-            streaming=cfg.streaming, val_data=cfg.val_data, label_names=cfg.label_names)
+            streaming=cfg.streaming, val_data=cfg.val_data, label_names=cfg.label_names,
+            image_column=cfg.image_column, label_column=cfg.label_column)
+        self.multi_label = cfg.multi_label or self.splits.multi_label
         if not self.splits.val:
             raise VitftError(f"no validation images found in {cfg.data}; add a val/ folder or use --val-split")
         self.classes = self.splits.classes
@@ -86,6 +89,7 @@ class Trainer:
         self.model = build_model(cfg, len(self.classes)) if resume_state is None else \
             model_from_checkpoint(resume_state, self.classes, cfg.data)
         self.model.pretrained_cfg["label_names"] = list(self.classes)
+        mark_task(self.model, self.multi_label)
         self.img_size = tuple(self.model.patch_embed.img_size)
         self.model.to(self.device)
         # measured on rank 0 alone: ranks that timed bf16 differently would train in different precisions
@@ -123,8 +127,9 @@ class Trainer:
         crop_pct = preprocessing(pcfg).crop_pct
         if self.splits.streamed:
             return build_stream_data(self)
+        targets = len(self.classes) if self.multi_label else None  # multi-hot targets of this length
         self.train_set = ImageDataset(self.splits.train, train_tf, cache=cfg.cache, img_size=self.img_size,
-                                      crop_pct=crop_pct, name="train")
+                                      crop_pct=crop_pct, name="train", num_classes=targets)
         show = progress.counter("decoding the training images (--cache)", " images") \
             if progress is not None and self.ddp.main else None
         self.train_set.fill_cache(show, self.interrupt_requested)  # before build_loader, which would fill it unpolled
@@ -133,12 +138,12 @@ class Trainer:
         # cache: validation decodes each original as `evaluate` does, so that the two agree exactly
         val_part = self.splits.val[self.ddp.rank::self.ddp.world]
         self.val_set = ImageDataset(val_part, eval_tf, img_size=self.img_size, crop_pct=crop_pct,
-                                    return_index=True, name="val") if val_part else None
+                                    return_index=True, name="val", num_classes=targets) if val_part else None
         if len(self.train_set) < cfg.batch_size * self.ddp.world:
             raise VitftError(f"only {len(self.train_set)} training images for a batch of {cfg.batch_size}; "
                              "lower --batch-size")
         device_type = self.device.type
-        check_balance(cfg.balance, self.train_set.labels)
+        check_balance(cfg.balance, self.multi_label)
         self.train_loader = build_loader(self.train_set, cfg.batch_size, train=True, workers=cfg.workers,
                                          threads=cfg.threads, device_type=device_type, distributed=self.ddp.enabled,
                                          seed=cfg.seed, balanced=cfg.balance == "sampler")
@@ -155,8 +160,6 @@ class Trainer:
         self.batches_per_epoch = steps * cfg.accum_steps  # leftover micro-batches would leak into the next step
 
     def _build_optimization(self) -> None:
-        from timm.data import Mixup
-        from timm.loss import SoftTargetCrossEntropy
         from timm.optim import create_optimizer_v2
         from timm.utils import ModelEmaV3
 
@@ -171,14 +174,8 @@ class Trainer:
                                   self.steps_per_epoch, main=self.ddp.main)
         self.scheduler, self.head_lr, self.warmup_epochs = schedule.scheduler, schedule.head_lr, schedule.warmup_epochs
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
-        self.mixup = None
-        if cfg.mixup > 0 or cfg.cutmix > 0:
-            self.mixup = Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, label_smoothing=cfg.label_smoothing,
-                               num_classes=len(self.classes))
-            self.train_loss_fn = SoftTargetCrossEntropy()
-        else:
-            self.train_loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
-        self.head_loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)  # cached features: no mixup
+        # cached features have no mixup: the head loss is the unmixed one
+        self.mixup, self.train_loss_fn, self.head_loss_fn = losses(cfg, len(self.classes), self.multi_label)
         labels = () if self.splits.streamed else self.train_set.labels  # a stream is refused --balance
         weighted = balanced_loss(cfg.balance, labels, len(self.classes), cfg.label_smoothing)
         if weighted is not None:  # --balance loss or sqrt: one loss for labels, smoothed or mixed
@@ -262,11 +259,12 @@ class Trainer:
         candidates = [(self.model, self.validate(self.net if not cfg.compile else self.model))]
         if self.ema is not None:
             candidates.append((self.ema.module, self.validate(self.ema.module)))
-        best_model, scores = max(candidates, key=lambda c: c[1]["val_top1"])
+        key = selection_metric(self.multi_label)
+        best_model, scores = max(candidates, key=lambda c: c[1][key])
         row.update({k: (round(v, 5) if isinstance(v, float) else v) for k, v in scores.items()})
         if self.ema is not None:
             row["ema"] = best_model is self.ema.module
-        improved = state.record(scores["val_top1"])
+        improved = state.record(scores[key])
         state.rows.append(row)
         self.checkpoint_due = phase.wants_checkpoint(state.epoch >= self.plan.epochs or self.plan.at(state.epoch)
                                                      is not phase)
@@ -313,6 +311,8 @@ class Trainer:
     @torch.inference_mode()
     def validate(self, model: nn.Module) -> dict:
         """Loss, top-1, top-5, balanced accuracy and macro F1 on this run's validation images, summed over all ranks."""
+        if self.multi_label:
+            return validate_multilabel(self, model)
         model.eval()
         loss_sum = correct1 = correct5 = count = 0.0
         k = len(self.classes)

@@ -148,6 +148,8 @@ def _eval_results(report, best: dict, dataset_id: Optional[str], dataset_name: O
                    ("top_5_accuracy", report.top5, "Top-5 Accuracy", None),
                    ("f1", report.macro_f1, "Macro F1", {"average": "macro"}),
                    ("f1", report.weighted_f1, "Weighted F1", {"average": "weighted"})]
+    elif best.get("val_mAP") is not None:  # multi-label
+        split, metrics = "validation", [("mAP", best["val_mAP"], "mAP", {"average": "macro"})]
     elif best.get("val_top1") is not None:
         split, metrics = "validation", [("accuracy", best["val_top1"], "Accuracy", None)]
     else:
@@ -226,10 +228,16 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
     origin = f"fine-tuned from {start}" if start else "trained from scratch"
     on = f" on {f'[`{dataset_id}`](https://huggingface.co/datasets/{dataset_id})' if dataset_id else dataset_name}" \
         if dataset_name else ""
+    multi_label = bool(cfg.get("multi_label"))
+    kind = "multi-label " if multi_label else ""
+    task = (" It is multi-label: a sigmoid per class, and a label applies when its probability reaches the class's "
+            "threshold (config.json's `thresholds`, chosen on the validation images for the best F1).") \
+        if multi_label else ""
     out = [f"# {name}\n",
-           f"A Vision Transformer image classifier ({len(labels) or model.num_classes} classes), {origin}{on} with "
-           f"[vitft]({__url__}). The weights are in timm's format: timm and vitft "
-           f"both load them by name.\n",
+           f"A {kind}Vision Transformer image classifier ({len(labels) or model.num_classes} classes), {origin}{on} "
+           f"with"
+           f" [vitft]({__url__}). The weights are in timm's format: timm and vitft "
+           f"both load them by name.{task}\n",
            "## Model details\n",
            f"- **Architecture:** `{arch}` (timm){f' with {overrides}' if overrides else ''}, "
            f"{params:.1f} M parameters",
@@ -259,7 +267,8 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
                 out.append(f"| {_md(label)} | " + " | ".join(str(counts[s].get(label, 0)) for s in splits) + " |")
             out.append("")
         if best:
-            out.append(f"Best validation top-1: {_pct(best.get('val_top1'))} (epoch {best.get('epoch', '-')}).\n")
+            metric, key = ("mAP", "val_mAP") if "val_mAP" in best else ("top-1", "val_top1")
+            out.append(f"Best validation {metric}: {_pct(best.get(key))} (epoch {best.get('epoch', '-')}).\n")
         if hyper:
             out += ["| hyperparameter | value |", "| --- | --- |"]
             out += [f"| {_md(k)} | {_md(v)} |" for k, v in hyper.items()]
@@ -289,17 +298,20 @@ def model_card(run_dir: PathLike, repo_id: Optional[str] = None, *, model=None, 
     if "confusion_matrix.png" in images:
         out.append("![Confusion matrix](confusion_matrix.png)\n")
     k = min(5, model.num_classes)
-    out += ["## Usage\n", "### timm\n", "```python", "import timm", "import torch", "from PIL import Image", "",
+    out += ["## Usage\n", "### timm\n", "```python", *(["import json", ""] if multi_label else []), "import timm",
+            "import torch", *(["from huggingface_hub import hf_hub_download"] if multi_label else []),
+            "from PIL import Image", "",
             f'model = timm.create_model("hf-hub:{repo}", pretrained=True).eval()',
             "data_config = timm.data.resolve_model_data_config(model)",
             "transforms = timm.data.create_transform(**data_config, is_training=False)", "",
             'image = Image.open("image.jpg").convert("RGB")',
             "with torch.no_grad():",
-            "    probs = model(transforms(image).unsqueeze(0)).softmax(dim=-1)",
-            f"top = probs.topk({k})",
-            'labels = model.pretrained_cfg["label_names"]',
-            "for p, i in zip(top.values[0], top.indices[0]):",
-            '    print(f"{labels[i]}: {p:.3f}")', "```", "",
+            *(_multi_label_timm(repo) if multi_label else [
+                "    probs = model(transforms(image).unsqueeze(0)).softmax(dim=-1)",
+                f"top = probs.topk({k})",
+                'labels = model.pretrained_cfg["label_names"]',
+                "for p, i in zip(top.values[0], top.indices[0]):",
+                '    print(f"{labels[i]}: {p:.3f}")']), "```", "",
             "### vitft\n", "```bash", f"pip install git+{__url__}",
             f"vitft predict hf-hub:{repo} images/", "```", "", "```python", "import vit_finetune", "",
             f'model = vit_finetune.create_model("hf-hub:{repo}", pretrained=True).eval()', "```", ""]
@@ -348,3 +360,14 @@ def adapter_card(run_dir: PathLike, adapter_config: dict, repo_id: Optional[str]
                 f'model = vit_finetune.create_model("hf-hub:{repo}", pretrained=True).eval()  # merged', "```", ""]
     body = printable("\n".join(out))
     return str(ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n{body}"))
+
+
+def _multi_label_timm(repo: str) -> list[str]:
+    """The timm snippet's last lines for a multi-label model: a sigmoid per class, and its thresholds."""
+    return ["    probs = model(transforms(image).unsqueeze(0)).sigmoid()[0]",
+            "with open(hf_hub_download(\"" + repo + "\", \"config.json\")) as f:",
+            '    thresholds = json.load(f)["thresholds"]',
+            'labels = model.pretrained_cfg["label_names"]',
+            "for i in probs.argsort(descending=True).tolist():",
+            "    if probs[i] >= thresholds[i]:",
+            '        print(f"{labels[i]}: {probs[i]:.3f}")']

@@ -222,7 +222,18 @@ def onnx_usage(repo: str, pretrained_cfg: dict, img_size: Sequence[int], top_k: 
         f"    x = (x - np.array({mean}, dtype=np.float32)) / np.array({std}, dtype=np.float32)",
         "    return x.transpose(2, 0, 1)[None]", "", "",
         f'logits = session.run(["{OUTPUT_NAME}"], {{"{INPUT_NAME}": preprocess(Image.open("image.jpg"))}})[0]',
-        "probs = np.exp(logits - logits.max(axis=-1, keepdims=True))",
-        "probs /= probs.sum(axis=-1, keepdims=True)",
-        f"for i in np.argsort(-probs[0])[:{top_k}]:",
-        '    print(f"{labels[i] if labels else i}: {probs[0, i]:.3f}")', "```", ""]
+        *(_multi_label_lines(repo) if pretrained_cfg.get("multi_label") else [
+            "probs = np.exp(logits - logits.max(axis=-1, keepdims=True))",
+            "probs /= probs.sum(axis=-1, keepdims=True)",
+            f"for i in np.argsort(-probs[0])[:{top_k}]:",
+            '    print(f"{labels[i] if labels else i}: {probs[0, i]:.3f}")']), "```", ""]
+
+
+def _multi_label_lines(repo: str) -> list[str]:
+    """A multi-label model's last snippet lines: a sigmoid per class, the labels over their thresholds."""
+    return ["probs = 1 / (1 + np.exp(-logits))  # multi-label: a sigmoid per class",
+            f'with open(hf_hub_download("{repo}", "config.json")) as f:',
+            '    thresholds = json.load(f)["thresholds"]',
+            "for i in np.argsort(-probs[0]):",
+            "    if probs[0, i] >= thresholds[i]:",
+            '        print(f"{labels[i] if labels else i}: {probs[0, i]:.3f}")']

@@ -21,10 +21,13 @@ def check_run(run_dir: PathLike) -> RunFolder:
 
 
 def read_report(run: RunFolder):
-    """The run's evaluation report (report.json), if it has a readable one."""
+    """The run's evaluation report (report.json), if it has a readable single-label one."""
     from ..tasks.report import EvalReport
 
     if not run.report_file.is_file():
+        return None
+    if '"task": "multi-label"' in run.report_file.read_text(encoding="utf-8", errors="replace"):
+        log.info("%s is a multi-label report: the card shows the validation mAP instead", run.report_file)
         return None
     try:
         return EvalReport.load(run.report_file)

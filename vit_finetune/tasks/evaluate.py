@@ -32,7 +32,17 @@ from ..weights.loading import describe_weights
 from ..weights.preprocessing import data_config, preprocessing
 from ..weights.refs import RefKind, parse_ref
 from .explain import check_method, explain
-from .inference import ModelLike, ProgressFn, check_model_source, check_runtime, infer, prepare_model, top_k_hits
+from .inference import (
+    ModelLike,
+    ProgressFn,
+    check_model_source,
+    check_runtime,
+    infer,
+    is_multi_label,
+    prepare_model,
+    top_k_hits,
+)
+from .multilabel_report import MultiLabelReport, evaluate_multilabel
 from .report import EvalReport, classification_metrics, shown_mistakes, write_report
 
 log = logging.getLogger("vitft")
@@ -79,26 +89,30 @@ def _run_split(model: ModelLike, data: Union[str, os.PathLike]) -> Optional[tupl
 
 
 def _eval_samples(data: Union[str, os.PathLike], split: Optional[str], val_split: Optional[float] = None,
-                  seed: int = 0, explicit: bool = True) -> tuple[list, list[str], dict]:
+                  seed: int = 0, explicit: bool = True, columns: Optional[dict] = None) -> tuple[list, list[str], dict]:
     """(samples, data classes, data identity) of the split to evaluate.
 
     Where the data has no validation folder, `val_split` and `seed` split it as `finetune` does; a single
     folder of class folders without `val_split` is evaluated whole. An `explicit` val_split (the user's, not
-    a run's) on data that has a validation folder is an error.
+    a run's) on data that has a validation folder is an error. A label file without a split column is a single
+    folder's like; `columns`: its image_column and label_column.
     """
     shards = is_shards(str(data))  # all the shards are the split to evaluate
-    splits = find_dataset(data, 0.1 if val_split is None else val_split, seed, val_data=str(data) if shards else None)
+    splits = find_dataset(data, 0.1 if val_split is None else val_split, seed, val_data=str(data) if shards else None,
+                          **(columns or {}))
     if splits.streamed:
         splits = dataclasses.replace(splits, train=[], val=read_whole(splits.val), test=None)
     root = os.path.abspath(os.path.expanduser(str(data)))
     if explicit and val_split is not None and " split " not in splits.layout:
         raise VitftError(f"--val-split applies to a folder without a validation folder; {data} has one "
                          f"(layout: {splits.layout})")
-    if splits.layout.startswith("single folder") and (val_split is None or split == "all"):
+    by_row = splits.layout.startswith("label file") and "by row" in splits.layout  # a label file's split column
+    whole = splits.layout.startswith(("single folder", "label file")) and " split " in splits.layout and not by_row
+    if whole and (val_split is None or split == "all"):
         if split not in (None, "all"):
             raise VitftError(f"{data} is a single folder of class folders: it is evaluated whole; --split applies "
                              f"to train/val/test layouts, or with --val-split")
-        samples, split, layout = sorted(splits.train + splits.val), "all", "single folder"
+        samples, split, layout = sorted(splits.train + splits.val), "all", splits.layout.split(" split ")[0]
     else:
         available = {"train": splits.train, "val": splits.val}
         if splits.test is not None:
@@ -161,7 +175,10 @@ def evaluate(
     seed: Optional[int] = None,
     pretrained: bool = False,
     threads: Optional[int] = None,
-) -> EvalReport:
+    threshold: Optional[float] = None,
+    image_column: Optional[str] = None,
+    label_column: Optional[str] = None,
+) -> Union[EvalReport, MultiLabelReport]:
     """Evaluate a classifier on a labelled dataset (any layout `finetune` accepts).
 
     `model`: a run/export folder, weights file (with `arch`), `hf-hub:org/repo`, timm name with
@@ -174,7 +191,10 @@ def evaluate(
     by default ("auto") the model's folder when it is a local folder (a run), else ./eval-<model name>
     (default_output); with output=None nothing is written. `explain`: rollout, attention or gradcam (explain.py):
     mistakes.png shows that heat map on each image. `threads` fixes torch's CPU threads (default: the free cores,
-    as runtime.fit_cpu_threads chooses them).
+    as runtime.fit_cpu_threads chooses them). A label file (.csv, .tsv, .jsonl; `image_column`, `label_column`
+    name its columns) is evaluated whole, or its test rows when it has a split column.
+    A multi-label model (its config.json says so) gives a MultiLabelReport instead (multilabel_report.py):
+    labels above each class's threshold (chosen in training, or `threshold` for all).
     """
     check_model_source(model, arch, pretrained)
     dev = check_runtime(batch_size, device, precision)
@@ -186,11 +206,12 @@ def evaluate(
     if own is not None:
         val_split, seed = own[0], own[1] if seed is None else seed
     samples, data_classes, data_info = _eval_samples(data, split, val_split, 0 if seed is None else seed,
-                                                     explicit=own is None)
+                                                     explicit=own is None, columns={"image_column": image_column,
+                                                                                    "label_column": label_column})
     if own is not None and " split " in data_info["layout"]:
         log.info("evaluating on the run's own split of %s: %g%% validation, seed %d, as in training "
                  "(--val-split to split otherwise)", printable(str(data)), 100 * val_split, seed)
-    present = sorted({label for _, label in samples})
+    present = sorted({i for _, label in samples for i in (label if isinstance(label, tuple) else (label,))})
     net, source = prepare_model(model, arch, img_size)
     precision = choose_precision(dev, precision, model_widths(net)).precision
     for line in describe_weights(net):
@@ -202,6 +223,19 @@ def evaluate(
 
     size = tuple(net.patch_embed.img_size)
     transform = build_transforms(net.pretrained_cfg, size, train=False)
+    if is_multi_label(net):
+        dataset = ImageDataset([(p, _to_model(label, to_model)) for p, label in samples], transform, img_size=size,
+                               crop_pct=preprocessing(net.pretrained_cfg).crop_pct, return_index=True,
+                               name=f"{data_info['split']} images", num_classes=len(classes))
+        context = {"model": {"source": source, "architecture": net.pretrained_cfg.get("architecture"),
+                             "num_classes": net.num_classes, "label_names_from": names_from},
+                   "data": data_info, "preprocessing": _preprocessing(net, tta),
+                   "runtime": {"device": str(dev), "precision": precision, "batch_size": batch_size}}
+        return evaluate_multilabel(net, dataset, classes, threshold, context, batch_size, workers, dev, precision,
+                                   tta, progress, threads, output)
+    if any(isinstance(label, tuple) for _, label in samples):
+        raise VitftError(f"{data} has rows with several labels but the model is single-label (softmax); "
+                         "evaluate a model trained with multi-label data or --multi-label")
     dataset = ImageDataset([(p, to_model[label]) for p, label in samples], transform, img_size=size,
                            crop_pct=preprocessing(net.pretrained_cfg).crop_pct, return_index=True,
                            name=f"{data_info['split']} images")
@@ -242,6 +276,11 @@ def evaluate(
         heatmaps = _mistake_heatmaps(net, predictions, explain, dev, precision) if explain else None
         write_report(report, output, heatmaps)
     return report
+
+
+def _to_model(label, to_model: list[int]) -> tuple[int, ...]:
+    """A data label (index or tuple of them) as a tuple of model class indices."""
+    return tuple(to_model[i] for i in (label if isinstance(label, tuple) else (label,)))
 
 
 def _mistake_heatmaps(model: VisionTransformer, predictions: list[dict], method: str, device: torch.device,

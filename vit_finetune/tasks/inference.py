@@ -3,6 +3,7 @@ as the command line's), preparing a classifier, batched inference over a dataset
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import os
@@ -52,6 +53,25 @@ def label_names(model: VisionTransformer) -> list[str]:
         return [str(n) for n in names]
     log.warning("the model has no label names: labels are class indices")
     return [str(i) for i in range(model.num_classes)]
+
+
+def is_multi_label(model: VisionTransformer) -> bool:
+    """Whether the model is a multi-label classifier (sigmoid outputs), as its config.json says."""
+    return bool(model.pretrained_cfg.get("multi_label"))
+
+
+def thresholds(model: VisionTransformer, override: Optional[float] = None) -> list[float]:
+    """A multi-label model's per-class thresholds: `override` for every class if given, else the ones chosen on
+    its validation images (0.5 where it has none)."""
+    if override is not None:
+        if not 0 < override < 1:
+            raise VitftError(f"--threshold must be between 0 and 1, got {override}")
+        return [float(override)] * model.num_classes
+    saved = model.pretrained_cfg.get("thresholds")
+    if saved and len(saved) == model.num_classes:
+        return [float(t) for t in saved]
+    log.warning("the model has no per-class thresholds: using 0.5 (pass --threshold to choose)")
+    return [0.5] * model.num_classes
 
 
 def top_k_hits(scores: torch.Tensor, targets: torch.Tensor, ks: Sequence[int] = (1, 5)) -> list[torch.Tensor]:
@@ -105,7 +125,7 @@ def infer(model: VisionTransformer, dataset: ImageDataset, batch_size: int, work
           device: torch.device, precision: str, tta: bool, progress: Optional[ProgressFn],
           threads: Optional[int] = None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(requested indices, decoded, log-probabilities) per batch, in dataset order; torch runs on `threads`
-    (None: build_loader's choice).
+    (None: build_loader's choice). A multi-label model's are each class's own (log-sigmoid), else log-softmax.
 
     `decoded` is False where the requested image failed to decode and another one was used in its place: callers
     drop those rows (see data.loaders.requested_batches).
@@ -114,6 +134,7 @@ def infer(model: VisionTransformer, dataset: ImageDataset, batch_size: int, work
                           device_type=device.type)
     was_training = model.training
     model.to(device).eval()
+    log_probs = F.logsigmoid if is_multi_label(model) else functools.partial(F.log_softmax, dim=1)
     done = 0
     try:
         with torch.inference_mode():
@@ -122,9 +143,9 @@ def infer(model: VisionTransformer, dataset: ImageDataset, batch_size: int, work
                 with compute_context(device, precision):
                     logits = model(x)
                     flipped = model(torch.flip(x, dims=[3])) if tta else None
-                logp = F.log_softmax(logits.float(), dim=1)
-                if flipped is not None:  # log of the mean of the two softmaxes
-                    both = torch.stack([logp, F.log_softmax(flipped.float(), dim=1)])
+                logp = log_probs(logits.float())
+                if flipped is not None:  # log of the mean of the two probabilities
+                    both = torch.stack([logp, log_probs(flipped.float())])
                     logp = torch.logsumexp(both, dim=0) - math.log(2)
                 done += len(requested)
                 yield requested, decoded, logp.cpu()

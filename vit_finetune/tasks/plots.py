@@ -1,4 +1,5 @@
-"""Every figure vitft draws: training curves, the confusion matrix, the mistakes grid and explain's heat maps.
+"""Every figure vitft draws: training curves, the confusion matrix, precision-recall curves (multi-label), the
+mistakes grid and explain's heat maps.
 
 matplotlib's object API (`Figure`) renders with Agg and leaves pyplot and its backend alone, so a library user's
 interactive backend is never switched. matplotlib and OpenCV are imported when a figure is drawn. Figures take
@@ -74,6 +75,23 @@ def confusion_figure(confusion: np.ndarray, classes: Sequence[str], accuracy: fl
     ax.set_xlabel("predicted class")
     ax.set_ylabel("true class")
     ax.set_title(f"confusion matrix (row-normalised), {int(cm.sum())} images, top-1 {100 * accuracy:.1f}%")
+    return fig
+
+
+def pr_curves_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], aps: dict[str, Optional[float]]) -> Figure:
+    """Precision against recall per class (multi-label evaluation), each labelled with its average precision."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 5), layout="tight")
+    ax = fig.add_subplot()
+    for name, (precision, recall) in curves.items():
+        ap = aps.get(name)
+        ax.step(recall, precision, where="post", label=f"{printable(name)} (AP {ap:.3f})" if ap is not None else
+                printable(name))
+    ax.set(xlabel="recall", ylabel="precision", xlim=(0, 1.01), ylim=(0, 1.01), title="precision-recall per class")
+    ax.grid(alpha=0.3)
+    if curves:
+        ax.legend(fontsize="small", loc="lower left")
     return fig
 
 

@@ -21,7 +21,16 @@ from ..files import atomic_write, printable, printable_tree
 from ..models.vit import VisionTransformer
 from ..runtime import choose_precision, model_widths
 from ..weights.preprocessing import preprocessing
-from .inference import ImagesLike, ModelLike, ProgressFn, infer, label_names, prepare_classifier
+from .inference import (
+    ImagesLike,
+    ModelLike,
+    ProgressFn,
+    infer,
+    is_multi_label,
+    label_names,
+    prepare_classifier,
+    thresholds,
+)
 
 DECODE_ERROR = "could not be decoded (truncated or corrupt image)"
 FORMATS = ("csv", "jsonl")
@@ -87,6 +96,7 @@ def predict(
     output: Union[str, os.PathLike, IO[str], None] = None,
     fmt: Optional[str] = None,
     threads: Optional[int] = None,
+    threshold: Optional[float] = None,
 ) -> Predictions:
     """Top-k labels for image files, folders (recursive) or globs: a Predictions iterator of Prediction rows
     (path, labels, probs, label, error), yielded as batches complete.
@@ -96,14 +106,17 @@ def predict(
     `model` as `evaluate` takes it (a timm name needs `pretrained=True`). With `output` (a file path, written
     atomically, or an open text stream such as sys.stdout), every row is written there before predict returns,
     as CSV (path, label_1, prob_1, ..., error) or JSONL (`fmt`; default: from the path's suffix, else csv), and
-    the Predictions returned iterate over the rows written.
+    the Predictions returned iterate over the rows written. A multi-label model gives every label whose
+    probability reaches its class's threshold (chosen in training; `threshold` for all classes), most probable
+    first, however many that is (top_k does not apply).
     """
     fmt = prediction_format(fmt, output)
     dev, paths, net = prepare_classifier(model, inputs, arch, pretrained, img_size, top_k, batch_size, device,
                                          precision, "predict")
     precision = choose_precision(dev, precision, model_widths(net)).precision
     classes = label_names(net)
-    k = min(top_k, len(classes))
+    cuts = thresholds(net, threshold) if is_multi_label(net) else None
+    k = len(classes) if cuts is not None else min(top_k, len(classes))
     size = tuple(net.patch_embed.img_size)
     transform = build_transforms(net.pretrained_cfg, size, train=False)
     try:
@@ -113,7 +126,7 @@ def predict(
         rows = iter([Prediction(str(p), [], [], unreadable_reason(p)) for p in paths])
     else:
         rows = _predict_rows(net, dataset, paths, classes, k, tta, batch_size, workers, dev, precision, progress,
-                             threads)
+                             threads, cuts)
     predictions = Predictions(rows, len(paths), k, classes)
     if output is None:
         return predictions
@@ -141,7 +154,9 @@ def prediction_format(fmt: Optional[str], output: Union[str, os.PathLike, IO[str
 
 def _predict_rows(net: VisionTransformer, dataset: ImageDataset, paths: list[Path], classes: list[str], k: int,
                   tta: bool, batch_size: int, workers: Optional[int], device: torch.device, precision: str,
-                  progress: Optional[ProgressFn], threads: Optional[int]) -> Iterator[Prediction]:
+                  progress: Optional[ProgressFn], threads: Optional[int],
+                  cuts: Optional[list[float]] = None) -> Iterator[Prediction]:
+    """Rows in path order; with `cuts` (multi-label thresholds) only the labels that reach them."""
     position = {p: i for i, p in enumerate(paths)}
     ready = {position[p]: Prediction(str(p), [], [], unreadable_reason(p)) for p in dataset.unreadable}
     next_row = done = 0
@@ -151,8 +166,9 @@ def _predict_rows(net: VisionTransformer, dataset: ImageDataset, paths: list[Pat
             probs, idx = logp.exp().topk(k, dim=1)
             for r, ok, p, j in zip(requested.tolist(), decoded.tolist(), probs.tolist(), idx.tolist()):
                 path = dataset.paths[r]
-                ready[position[path]] = Prediction(str(path), [classes[c] for c in j],
-                                                   [round(v, 6) for v in p]) if ok else (
+                kept = [(c, v) for c, v in zip(j, p) if cuts is None or v >= cuts[c]]
+                ready[position[path]] = Prediction(str(path), [classes[c] for c, _ in kept],
+                                                   [round(v, 6) for _, v in kept]) if ok else (
                     Prediction(str(path), [], [], DECODE_ERROR))
             done += len(requested)
             while next_row in ready:

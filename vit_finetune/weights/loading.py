@@ -22,14 +22,14 @@ from .adapters import adapter_files, apply_saved_adapter, read_adapter
 from .layouts import Checkpoint
 from .preprocessing import preprocessing
 from .refs import RefKind, parse_ref
-from .sources import LOCATION_KEYS, Pretrained, Source, resolve
+from .sources import LOCATION_KEYS, MULTI_LABEL_KEYS, Pretrained, Source, resolve
 
 log = logging.getLogger("vitft")
 
 HEAD_KEYS = ("head.weight", "head.bias", "head_dist.weight", "head_dist.bias")  # head_dist: DeiT distilled
 # pretrained_cfg entries that describe trained weights: a randomly initialised model must not claim them
 _WEIGHTS_KEYS = ("tag", "license", "description", "origin_url", "paper_name", "paper_ids", "notes", "label_names",
-                 "label_descriptions", "label_offset")
+                 "label_descriptions", "label_offset", *MULTI_LABEL_KEYS)
 
 
 @dataclass
@@ -93,8 +93,9 @@ def build_model(source: Source, num_classes: Optional[int] = None,
     model.model_args = differing_args(kwargs, source.arch)
     dropped = LOCATION_KEYS if has_weights else (*LOCATION_KEYS, *_WEIGHTS_KEYS)
     cfg = {k: v for k, v in source.pretrained_cfg.items() if k not in dropped}
-    if model.num_classes != cfg.get("num_classes"):
-        cfg.pop("label_names", None)  # the head was replaced: the old labels no longer apply
+    if model.num_classes != cfg.get("num_classes"):  # the head was replaced: the old labels no longer apply
+        for key in ("label_names", *MULTI_LABEL_KEYS):
+            cfg.pop(key, None)
     cfg.update(architecture=source.arch, num_classes=model.num_classes, source=source.origin,
                input_size=(3, *model.patch_embed.img_size))
     model.pretrained_cfg = cfg

@@ -11,7 +11,7 @@ import torch
 
 from ..files import write_temp
 from ..models.vit import VisionTransformer
-from .sources import LOCATION_KEYS, VITFT_MODEL_ARGS
+from .sources import LOCATION_KEYS, MULTI_LABEL_KEYS, VITFT_MODEL_ARGS
 
 
 def _plain(value):
@@ -31,6 +31,9 @@ def model_config(model: VisionTransformer, extra: Optional[dict] = None) -> dict
               "global_pool": model.global_pool}
     if label_names:
         config["label_names"] = list(label_names)
+    for key in MULTI_LABEL_KEYS:  # top-level, as label_names: what a reader of the model needs to use it
+        if key in cfg:
+            config[key] = cfg.pop(key)
     model_args = {k: _plain(v) for k, v in model.model_args.items()}
     vitft_only = {k: model_args.pop(k) for k in list(model_args) if k not in _timm_model_args()}
     if model_args:

@@ -29,6 +29,8 @@ LOCATION_KEYS = ("url", "file", "hf_hub_id", "hf_hub_filename", "source", "state
 # config.json key for model arguments timm's VisionTransformer does not take (it has no LayerNorm eps
 # argument): vitft reads them back, timm ignores them (and builds with its own eps)
 VITFT_MODEL_ARGS = "vitft_model_args"
+# a multi-label classifier's config.json says so, with its per-class thresholds (top-level keys, as label_names)
+MULTI_LABEL_KEYS = ("multi_label", "thresholds")
 
 Pretrained = Union[bool, str, os.PathLike, None]
 
@@ -99,7 +101,7 @@ def _source_from_config(config: dict, fetch_weights: Optional[Callable[[], Path]
                          "is this a model folder?")
     arch, _ = split_name(config["architecture"])
     cfg = dict(config.get("pretrained_cfg", {}), architecture=arch)
-    for key in ("num_classes", "label_names"):
+    for key in ("num_classes", "label_names", *MULTI_LABEL_KEYS):
         if key in config:
             cfg[key] = config[key]
     model_args = dict(config.get("model_args", {}), **config.get(VITFT_MODEL_ARGS, {}))
