@@ -207,6 +207,14 @@ def test_imbalance_warnings_thresholds():
     assert len(balanced) == 1 and "--balance sampler gives them their share, but cannot add variety" in balanced[0]
 
 
+def test_a_class_without_training_images_is_not_promised_a_share():
+    """A class that only the validation split holds (a dataset's ClassLabel names it): no --balance can help it."""
+    for balance in ("none", "sampler"):
+        warnings = imbalance_warnings({"a": 12, "b": 0, "c": 8}, balance)
+        assert warnings[0].startswith("class(es) with no training images: b; the model cannot learn to predict them")
+        assert "fewer than 10 training images: c (8);" in warnings[1] and "b (0)" not in warnings[1]
+
+
 def test_bad_balance_is_one_line(imbalanced, tiny_model_dir, tmp_path):
     with pytest.raises(VitftError, match=r"unknown --balance 'sampel' \(did you mean sampler\?\); use one of none, "
                                          r"sampler, loss, sqrt"):
