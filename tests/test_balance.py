@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from vit_finetune.data.loaders import ImageDataset
 from vit_finetune.data.transforms import build_transforms
 from vit_finetune.engine.api import finetune
 from vit_finetune.engine.features import FeatureSet
+from vit_finetune.engine.phases import capped_feature_subset
 from vit_finetune.engine.trainer import Trainer
 from vit_finetune.engine.weighted_loss import WeightedCrossEntropy
 from vit_finetune.errors import VitftError
@@ -99,6 +101,30 @@ def test_head_phase_draws_cached_features_balanced():
     batches = features.batches(50, torch.Generator().manual_seed(0), steps=200, balanced=True)
     counts = torch.bincount(torch.cat([y for _, y in batches]), minlength=3)
     assert counts.sum() == 10_000 and _within_binomial_tolerance(counts, 1 / 3), counts
+
+
+class _Labelled(list):
+    """A training set as capped_feature_subset reads it: its length and its labels."""
+
+    @property
+    def labels(self) -> list[int]:
+        return list(self)
+
+
+def test_capped_head_phase_caches_a_balanced_subset():
+    """--max-steps-per-epoch caches only the images one capped epoch takes; under --balance sampler those are drawn
+    balanced (30:3, 8 of them: each class about half), not uniformly (forest 0.7 in expectation, none 39% of the
+    time), or the head phase's balanced draws would rest on one forest image or none."""
+    train_set = _Labelled([0] * 30 + [1] * 3)
+    forest = []
+    for seed in range(20):
+        cfg = TrainConfig(balance="sampler", seed=seed, batch_size=4, max_steps_per_epoch=2)
+        trainer = SimpleNamespace(cfg=cfg, ddp=SimpleNamespace(rank=0, world=1), steps_per_epoch=2,
+                                  train_set=train_set)
+        subset = capped_feature_subset(trainer)
+        assert len(subset) == len(set(subset)) == 8  # distinct images: each is cached once
+        forest.append(sum(train_set[i] for i in subset))
+    assert sum(forest) / len(forest) >= 2.0 and min(forest) >= 1, forest
 
 
 def test_class_weights_are_inverse_frequency_with_mean_one_over_the_images():

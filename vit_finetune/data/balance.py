@@ -48,10 +48,12 @@ def class_weights(labels: Sequence[int], num_classes: int, balance: str) -> torc
     return (inverse * counts.sum() / (inverse * counts).sum()).float()
 
 
-def balanced_draw(labels: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
-    """`n` indices of `labels`, drawn with replacement so that each class present is equally likely."""
+def balanced_draw(labels: torch.Tensor, n: int, generator: torch.Generator, replacement: bool = True
+                  ) -> torch.Tensor:
+    """`n` indices of `labels`, drawn so that each class present is equally likely (with replacement; without it,
+    a class whose images are all drawn leaves the next draws to the others)."""
     counts = torch.bincount(labels)
-    return torch.multinomial(1.0 / counts[labels].double(), n, replacement=True, generator=generator)
+    return torch.multinomial(1.0 / counts[labels].double(), n, replacement=replacement, generator=generator)
 
 
 def with_repeats_numbered(indices: torch.Tensor, size: int) -> torch.Tensor:
