@@ -204,6 +204,18 @@ def test_a_balanced_run_resumes_where_it_would_have_gone(imbalanced, tiny_model_
     assert hyperparameters(RunFolder(tmp_path / "b").vitft_info()["train"])["balance"] == "sampler"  # the card's
 
 
+def test_the_card_lists_balance_beside_folders_of_the_same_name(tmp_path, monkeypatch):
+    """The card hides local paths; a choice such as `sampler` is no path, even where the current folder holds a
+    folder of that name (a path option's bare name there, and any value written as a path, stay hidden)."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("sampler", "adamw", "weights"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "val.tar").touch()
+    train = {"balance": "sampler", "opt": "adamw", "pretrained": "weights", "val_data": "val.tar",
+             "lora_method": "./sampler"}
+    assert hyperparameters(train) == {"balance": "sampler", "opt": "adamw"}
+
+
 def test_start_warns_about_imbalance_and_tiny_classes(tiny_model_dir, tmp_path, caplog):
     data = tmp_path / "data"
     make_images(data / "train", {"buildings": 21, "forest": 2})
