@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from vit_finetune.data.loaders import ImageDataset
 from vit_finetune.data.transforms import build_transforms
 from vit_finetune.engine.api import finetune
 from vit_finetune.engine.features import FeatureSet
+from vit_finetune.engine.phases import capped_feature_subset
 from vit_finetune.engine.trainer import Trainer
 from vit_finetune.engine.weighted_loss import WeightedCrossEntropy
 from vit_finetune.errors import VitftError
@@ -101,6 +103,30 @@ def test_head_phase_draws_cached_features_balanced():
     assert counts.sum() == 10_000 and _within_binomial_tolerance(counts, 1 / 3), counts
 
 
+class _Labelled(list):
+    """A training set as capped_feature_subset reads it: its length and its labels."""
+
+    @property
+    def labels(self) -> list[int]:
+        return list(self)
+
+
+def test_capped_head_phase_caches_a_balanced_subset():
+    """--max-steps-per-epoch caches only the images one capped epoch takes; under --balance sampler those are drawn
+    balanced (30:3, 8 of them: each class about half), not uniformly (forest 0.7 in expectation, none 39% of the
+    time), or the head phase's balanced draws would rest on one forest image or none."""
+    train_set = _Labelled([0] * 30 + [1] * 3)
+    forest = []
+    for seed in range(20):
+        cfg = TrainConfig(balance="sampler", seed=seed, batch_size=4, max_steps_per_epoch=2)
+        trainer = SimpleNamespace(cfg=cfg, ddp=SimpleNamespace(rank=0, world=1), steps_per_epoch=2,
+                                  train_set=train_set)
+        subset = capped_feature_subset(trainer)
+        assert len(subset) == len(set(subset)) == 8  # distinct images: each is cached once
+        forest.append(sum(train_set[i] for i in subset))
+    assert sum(forest) / len(forest) >= 2.0 and min(forest) >= 1, forest
+
+
 def test_class_weights_are_inverse_frequency_with_mean_one_over_the_images():
     labels = [0] * 6 + [1] * 3 + [2]
     loss, sqrt = class_weights(labels, 4, "loss"), class_weights(labels, 4, "sqrt")
@@ -178,6 +204,18 @@ def test_a_balanced_run_resumes_where_it_would_have_gone(imbalanced, tiny_model_
     assert hyperparameters(RunFolder(tmp_path / "b").vitft_info()["train"])["balance"] == "sampler"  # the card's
 
 
+def test_the_card_lists_balance_beside_folders_of_the_same_name(tmp_path, monkeypatch):
+    """The card hides local paths; a choice such as `sampler` is no path, even where the current folder holds a
+    folder of that name (a path option's bare name there, and any value written as a path, stay hidden)."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("sampler", "adamw", "weights"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "val.tar").touch()
+    train = {"balance": "sampler", "opt": "adamw", "pretrained": "weights", "val_data": "val.tar",
+             "lora_method": "./sampler"}
+    assert hyperparameters(train) == {"balance": "sampler", "opt": "adamw"}
+
+
 def test_start_warns_about_imbalance_and_tiny_classes(tiny_model_dir, tmp_path, caplog):
     data = tmp_path / "data"
     make_images(data / "train", {"buildings": 21, "forest": 2})
@@ -205,6 +243,14 @@ def test_imbalance_warnings_thresholds():
     assert imbalance_warnings({"a": 9, "b": 10}, "none")[0].startswith("class(es) with fewer than 10")
     balanced = imbalance_warnings({"a": 200, "b": 3}, "sampler")  # balancing is on: only the tiny class
     assert len(balanced) == 1 and "--balance sampler gives them their share, but cannot add variety" in balanced[0]
+
+
+def test_a_class_without_training_images_is_not_promised_a_share():
+    """A class that only the validation split holds (a dataset's ClassLabel names it): no --balance can help it."""
+    for balance in ("none", "sampler"):
+        warnings = imbalance_warnings({"a": 12, "b": 0, "c": 8}, balance)
+        assert warnings[0].startswith("class(es) with no training images: b; the model cannot learn to predict them")
+        assert "fewer than 10 training images: c (8);" in warnings[1] and "b (0)" not in warnings[1]
 
 
 def test_bad_balance_is_one_line(imbalanced, tiny_model_dir, tmp_path):

@@ -48,10 +48,12 @@ def class_weights(labels: Sequence[int], num_classes: int, balance: str) -> torc
     return (inverse * counts.sum() / (inverse * counts).sum()).float()
 
 
-def balanced_draw(labels: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
-    """`n` indices of `labels`, drawn with replacement so that each class present is equally likely."""
+def balanced_draw(labels: torch.Tensor, n: int, generator: torch.Generator, replacement: bool = True
+                  ) -> torch.Tensor:
+    """`n` indices of `labels`, drawn so that each class present is equally likely (with replacement; without it,
+    a class whose images are all drawn leaves the next draws to the others)."""
     counts = torch.bincount(labels)
-    return torch.multinomial(1.0 / counts[labels].double(), n, replacement=True, generator=generator)
+    return torch.multinomial(1.0 / counts[labels].double(), n, replacement=replacement, generator=generator)
 
 
 def with_repeats_numbered(indices: torch.Tensor, size: int) -> torch.Tensor:
@@ -95,8 +97,8 @@ class ClassBalancedSampler(Sampler[int]):
 
 
 def imbalance_warnings(train_counts: dict[str, int], balance: str) -> list[str]:
-    """Warnings about the training classes: one far larger than another (IMBALANCE_RATIO), and classes with fewer
-    than FEW_IMAGES images; each says what to do."""
+    """Warnings about the training classes: one far larger than another (IMBALANCE_RATIO), classes without images,
+    and classes with fewer than FEW_IMAGES images; each says what to do."""
     present = {c: n for c, n in train_counts.items() if n > 0}
     warnings = []
     if present:
@@ -106,7 +108,12 @@ def imbalance_warnings(train_counts: dict[str, int], balance: str) -> list[str]:
             warnings.append(f"imbalanced classes: {largest} has {present[largest]} training images, {ratio:.0f}x "
                             f"{smallest}'s {present[smallest]}; the model will favour the large classes: try "
                             "--balance sampler (or loss, sqrt), and read balanced accuracy and macro F1, not top-1")
-    few = [f"{c} ({n})" for c, n in train_counts.items() if n < FEW_IMAGES]
+    empty = [c for c, n in train_counts.items() if n == 0]
+    if empty:  # no sampler or weight can give a class without images a share: the model never predicts it
+        warnings.append(f"class(es) with no training images: {', '.join(empty)}; the model cannot learn to predict "
+                        "them, and every validation image of them counts as a mistake: add training images, or "
+                        "remove them from the data")
+    few = [f"{c} ({n})" for c, n in train_counts.items() if 0 < n < FEW_IMAGES]
     if few:
         fix = "--balance sampler or loss gives them their share of the training" if balance == "none" else \
             f"--balance {balance} gives them their share, but cannot add variety"

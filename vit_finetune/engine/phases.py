@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from ..config import TrainConfig
+from ..data.balance import balanced_draw
 from ..data.loaders import build_loader, requested_batches
 from ..data.streams import stream_batches
 from ..errors import VitftError
@@ -374,10 +375,16 @@ def cache_rows(trainer: Trainer, progress: ProgressBar, what: str, use: str, enc
 
 def capped_feature_subset(trainer: Trainer) -> Optional[list[int]]:
     """This rank's share of a seeded subset of the training images, as many as one capped epoch takes (each head
-    epoch then draws all of them, shuffled); None when --max-steps-per-epoch leaves every image in use."""
+    epoch then draws all of them, shuffled); None when --max-steps-per-epoch leaves every image in use. Under
+    --balance sampler the subset is drawn class-balanced too (without repeats), so that a small class is in it as
+    a balanced epoch would draw it, not by the few of its images a uniform subset happens to hold."""
     cfg, ddp = trainer.cfg, trainer.ddp
     needed = trainer.steps_per_epoch * cfg.batch_size * cfg.accum_steps * ddp.world
     if not cfg.max_steps_per_epoch or needed >= len(trainer.train_set):
         return None
-    chosen = torch.randperm(len(trainer.train_set), generator=torch.Generator().manual_seed(cfg.seed))[:needed]
+    generator = torch.Generator().manual_seed(cfg.seed)
+    if cfg.balance == "sampler":
+        chosen = balanced_draw(torch.as_tensor(trainer.train_set.labels), needed, generator, replacement=False)
+    else:
+        chosen = torch.randperm(len(trainer.train_set), generator=generator)[:needed]
     return sorted(chosen[ddp.rank::ddp.world].tolist())

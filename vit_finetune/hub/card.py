@@ -17,6 +17,7 @@ PLACEHOLDER_REPO = "<user>/<repo>"
 TAGS = ["image-classification", "timm", "vitft", "vision-transformer"]
 # TrainConfig fields that name weights or an architecture: public only as a Hub id or a timm name, never a path
 _WEIGHT_NAMES = ("pretrained", "model")
+_PATH_NAMES = (*_WEIGHT_NAMES, "val_data")  # the recipe options whose values are files or folders
 _SPLIT_NAMES = {"train", "val", "valid", "validation", "test", "seg_train", "seg_test", "seg_pred", "images", "data"}
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
@@ -24,6 +25,13 @@ _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # ---- what of a run is published ----------------------------------------------------------------------
 def is_local_path(value: Any) -> bool:
     return isinstance(value, str) and parse_ref(value).is_local
+
+
+def is_private_path(key: str, value: Any) -> bool:
+    """Whether recipe option `key`'s value is a local path: any local file or folder for the options that take one;
+    for the others only a value written as a path (a choice such as `sampler` or `adamw` stays public when the
+    current folder happens to hold a file or folder of that name)."""
+    return is_local_path(value) and (key in _PATH_NAMES or "/" in value or "\\" in value or value.startswith("~"))
 
 
 def public_weights(value: Any) -> bool:
@@ -52,7 +60,7 @@ def hyperparameters(train: dict) -> dict:
     recipe_keys = TrainConfig.hyperparameters()
     out = {}
     for key, value in train.items():
-        if key not in recipe_keys or value is None or is_local_path(value) or (
+        if key not in recipe_keys or value is None or is_private_path(key, value) or (
                 key in _WEIGHT_NAMES and not public_weights(value)):
             continue
         if isinstance(value, (str, int, float, bool)) or (
