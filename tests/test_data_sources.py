@@ -280,6 +280,24 @@ def test_vitft_shards_writes_shards_that_train(sources, photos, tmp_path):
     assert id_labels(_stream_samples(splits.val)) == id_labels(photos["validation"])
 
 
+def test_vitft_shards_refuses_to_mix_with_old_shards_unless_overwrite(sources, tmp_path):
+    """Shards written over older ones of another --shard-size would leave stale train-0000NN.tar beside the new."""
+    out = tmp_path / "out"
+    assert invoke_cli("shards", sources["saved"], out, "--shard-size", "1").exit_code == 0
+    refused = invoke_cli("shards", sources["saved"], out, "--shard-size", "5")
+    assert refused.exit_code == 1 and "already holds 18 shard(s)" in refused.output
+    assert "--overwrite" in refused.output and len(list(out.glob("train-*.tar"))) == 12
+    assert invoke_cli("shards", sources["saved"], out, "--shard-size", "5", "--overwrite").exit_code == 0
+    assert sorted(p.name for p in out.glob("*")) == ["classes.json", "train-000000.tar", "train-000001.tar",
+                                                      "train-000002.tar", "val-000000.tar", "val-000001.tar"]
+    again = find_dataset(str(out / "train-{000000..000002}.tar"), val_data=str(out / "val-{000000..000001}.tar"))
+    with pytest.raises(VitftError, match="holds the shards being read: write the new shards to another folder"):
+        write_shards(again, out, overwrite=True)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(VitftError, match="is a file, not a folder: give a folder for the shards"):
+        write_shards(find_dataset(sources["saved"]), tmp_path / "file")
+
+
 def test_lists_of_class_labels_make_the_task_multi_label(photos, tmp_path):
     labels = datasets.Sequence(datasets.ClassLabel(names=SCENES))
     features = datasets.Features({"image": datasets.Image(), "labels": labels})
