@@ -5,11 +5,13 @@ bad input gets a one-line error or a counted skip."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import random
 import subprocess
 import sys
+import tarfile
 import zlib
 from collections import Counter
 from pathlib import Path
@@ -335,6 +337,28 @@ def test_numbered_labels_need_names(sources, photos, tmp_path):
     with pytest.raises(VitftError, match="no class names for .*write classes.json or classes.txt"):
         find_dataset(pattern, val_data=pattern)
     assert find_dataset(pattern, val_data=pattern, label_names="buildings, forest,sea").classes == SCENES
+
+
+def test_shards_with_dotted_and_uppercase_names_are_read_and_samples_without_labels_counted(photos, tmp_path,
+                                                                                           caplog):
+    """webdataset keys a member by its name up to the first dot: 'a.b.jpg' is key 'a' with field 'b.jpg', and
+    'a.jpg' beside it joins the same sample. Each name before the extension is an image of its own."""
+    names = ["a.b", "a", "x.y.z", "UPPER", "a b", "\u00fcn\u00ef"]
+    rows = photos["train"][:len(names)]
+    with tarfile.open(tmp_path / "train-0.tar", "w") as tar:
+        for name, (path, label) in zip(names, rows):
+            suffix = ".JPG" if name == "UPPER" else ".jpg"
+            for member, data in ((name + suffix, path.read_bytes()), (name + ".cls", str(label).encode())):
+                info = tarfile.TarInfo(member)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        info = tarfile.TarInfo("unlabelled.jpg")
+        info.size = len(rows[0][0].read_bytes())
+        tar.addfile(info, io.BytesIO(rows[0][0].read_bytes()))
+    shard = str(tmp_path / "train-0.tar")
+    found = find_dataset(shard, val_data=shard, label_names=",".join(SCENES)).train
+    assert id_labels(_stream_samples(found)) == id_labels(rows)
+    assert "left out 1 sample(s) without an image" in caplog.text and "unlabelled" in caplog.text
 
 
 def test_an_empty_shard_is_skipped_with_a_warning(sources, photos, tmp_path, caplog):

@@ -121,15 +121,19 @@ class ShardStream:
             return True
 
         for index, url in shards:
-            for j, sample in enumerate(tarfile_samples([{"url": url}], handler=skip)):
+            unusable = []
+            for j, sample in enumerate(_samples(tarfile_samples([{"url": url}], handler=skip))):
                 if (j + index) % world != rank:
                     continue
                 image = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
                 label = self._label(sample)
                 if image is None or label is None:
-                    log.debug("%s: sample %s has no image or no label", self.name, sample.get("__key__"))
+                    unusable.append(sample["__key__"])
                     continue
                 yield f"{url}/{sample['__key__']}", image, label
+            if unusable:
+                log.warning("%s: left out %d sample(s) without an image (%s) or a label (cls, json) in %s: %s",
+                            self.name, len(unusable), ", ".join(IMAGE_KEYS), url, few(unusable))
 
     def _label(self, sample: dict) -> Optional[Label]:
         if "cls" in sample:
@@ -144,6 +148,20 @@ class ShardStream:
         if not all(isinstance(i, int) and 0 <= i < len(self.classes) for i in indices):
             return None
         return tuple(sorted(set(indices))) if isinstance(value, list) else indices[0]
+
+
+def _samples(grouped: Iterable[dict]) -> Iterator[dict]:
+    """webdataset's samples split by the whole name before the extension: it keys a member by its name up to the
+    first dot, so 'a.b.jpg' and 'a.b.cls' are fields 'b.jpg' and 'b.cls' of sample 'a' (with 'a.jpg' too if it is
+    beside them); here they are sample 'a.b', with fields 'jpg' and 'cls'."""
+    for sample in grouped:
+        split: dict[str, dict] = {}
+        for field, value in sample.items():
+            if not field.startswith("__"):
+                stem, _, ext = field.rpartition(".")
+                key = f"{sample['__key__']}.{stem}" if stem else sample["__key__"]
+                split.setdefault(key, {"__key__": key})[ext] = value
+        yield from split.values()
 
 
 def _buffer_shuffled(records: Iterable[Record], seed: int, size: int = SHUFFLE_BUFFER) -> Iterator[Record]:
