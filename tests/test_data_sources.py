@@ -9,6 +9,7 @@ import io
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tarfile
@@ -176,6 +177,18 @@ def test_training_runs_from_each_source(sources, tiny_model_dir, tmp_path, kind,
     assert result.epochs_done == 1 and result.metrics[0]["val_images"] == len(SCENES) * VAL
     names = json.loads((tmp_path / "run" / "config.json").read_text())["label_names"]
     assert names == SCENES
+
+
+def test_a_resume_keeps_the_runs_dataset_configuration_revision_and_streaming(sources, tiny_model_dir, tmp_path):
+    """Another configuration or revision is other data; --streaming changes how epochs are cut from it, so a
+    mid-epoch resume would skip other images than it trained on."""
+    run = tmp_path / "run"
+    finetune(data=str(sources["parquet"]), pretrained=str(tiny_model_dir), output=str(run), **QUICK)
+    for change, was in ((dict(streaming=True, steps_per_epoch=3), "--streaming False (not True)"),
+                        (dict(data_config="small"), "--data-config None (not 'small')"),
+                        (dict(data_revision="v2"), "--data-revision None (not 'v2')")):
+        with pytest.raises(VitftError, match=f"a resumed run keeps its own {re.escape(was)}"):
+            finetune(resume=run, epochs=2, **change)
 
 
 def test_streaming_writes_no_copy_of_the_dataset(sources, tiny_model_dir, tmp_path, monkeypatch):
