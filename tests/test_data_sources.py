@@ -326,6 +326,26 @@ def test_lists_of_class_labels_make_the_task_multi_label(photos, tmp_path):
     assert found == {content_id(p): tuple(sorted(t)) for (p, _), t in zip(rows, tags)}
 
 
+def test_a_label_column_of_strings_names_the_classes(photos, tmp_path):
+    """Parquet written by pandas or a labelling tool has labels as text, not a ClassLabel: the sorted names are the
+    classes (or --label-names, in their order); a stream, which cannot be listed first, needs --label-names."""
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.Value("string")})
+    table = datasets.DatasetDict({split: datasets.Dataset.from_dict(
+        {"image": [{"bytes": p.read_bytes(), "path": p.name} for p, _ in rows],
+         "label": [SCENES[label] for _, label in rows]}, features=features) for split, rows in photos.items()})
+    for split, rows in table.items():
+        rows.to_parquet(str(tmp_path / "pq" / f"{split}-00000-of-00001.parquet"))
+    splits = find_dataset(tmp_path / "pq")
+    assert splits.classes == SCENES and id_labels(splits.train) == id_labels(photos["train"])
+    reverse = find_dataset(tmp_path / "pq", label_names=",".join(reversed(SCENES)))
+    assert {content_id(image): label for image, label in reverse.val} == {
+        content_id(p): 2 - label for p, label in photos["validation"]}
+    with pytest.raises(VitftError, match="label column 'label' holds names, which a stream cannot list before"):
+        find_dataset(tmp_path / "pq", streaming=True)
+    streamed = find_dataset(tmp_path / "pq", streaming=True, label_names=",".join(SCENES))
+    assert id_labels(_stream_samples(streamed.train)) == id_labels(photos["train"])
+
+
 # ---- bad input -------------------------------------------------------------------------------------------------
 def test_a_dataset_without_an_image_column_is_an_error(tmp_path):
     features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=SCENES)})
