@@ -346,6 +346,37 @@ def test_a_label_column_of_strings_names_the_classes(photos, tmp_path):
     assert id_labels(_stream_samples(streamed.train)) == id_labels(photos["train"])
 
 
+def test_plain_parquet_with_image_paths_or_bytes_is_read(photos, tmp_path):
+    """Parquet written without datasets' features (pyarrow, pandas) holds images as path strings (relative to
+    its folder, or absolute) or as {bytes, path} structs in a column named like an image. A path to no file is
+    counted as images that cannot be read are, also in a stream."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "plain" / "images").mkdir(parents=True)
+    for path, _ in photos["train"] + photos["validation"]:
+        (tmp_path / "plain" / "images" / path.name).symlink_to(path)
+    for split, rows in photos.items():
+        names = [f"images/{p.name}" if i % 2 else str(tmp_path / "plain" / "images" / p.name)
+                 for i, (p, _) in enumerate(rows)]
+        labels = [SCENES[label] for _, label in rows]
+        if split == "train":
+            names, labels = names + ["images/gone.jpg"], labels + ["sea"]
+        pq.write_table(pa.table({"path": names, "label": labels}), tmp_path / "plain" / f"{split}.parquet")
+    splits = find_dataset(tmp_path / "plain")
+    assert splits.classes == SCENES and id_labels(splits.val) == id_labels(photos["validation"])
+    assert id_labels(splits.train[:-1]) == id_labels(photos["train"]) and str(splits.train[-1][0]).endswith("#12")
+    stream = StreamDataset(find_dataset(tmp_path / "plain", streaming=True, label_names=",".join(SCENES)).train,
+                           pixel_ids)
+    assert Counter(int(label) for _, label in stream) == Counter(label for _, label in photos["train"])
+    assert int(stream._failed) == 1
+    rows = photos["train"]
+    pq.write_table(pa.table({"image": [{"bytes": p.read_bytes(), "path": p.name} for p, _ in rows],
+                             "label": [label for _, label in rows]}), tmp_path / "bytes.parquet")
+    splits = find_dataset(tmp_path / "bytes.parquet", val_split=0.25, label_names=",".join(SCENES))
+    assert splits.classes == SCENES and id_labels(splits.train + splits.val) == id_labels(rows)
+
+
 # ---- bad input -------------------------------------------------------------------------------------------------
 def test_a_dataset_without_an_image_column_is_an_error(tmp_path):
     features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=SCENES)})
