@@ -381,7 +381,7 @@ def test_plain_parquet_with_image_paths_or_bytes_is_read(photos, tmp_path):
 def test_a_dataset_without_an_image_column_is_an_error(tmp_path):
     features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=SCENES)})
     datasets.Dataset.from_dict({"text": ["a"], "label": [0]}, features=features).save_to_disk(str(tmp_path / "d"))
-    with pytest.raises(VitftError, match=r"has no image column \(an Image feature\) among text, label"):
+    with pytest.raises(VitftError, match=r"has no image column \(an Image feature, or paths .*\) among text, label"):
         find_dataset(tmp_path / "d")
 
 
