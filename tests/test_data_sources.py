@@ -5,11 +5,14 @@ bad input gets a one-line error or a counted skip."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import random
+import re
 import subprocess
 import sys
+import tarfile
 import zlib
 from collections import Counter
 from pathlib import Path
@@ -176,6 +179,18 @@ def test_training_runs_from_each_source(sources, tiny_model_dir, tmp_path, kind,
     assert names == SCENES
 
 
+def test_a_resume_keeps_the_runs_dataset_configuration_revision_and_streaming(sources, tiny_model_dir, tmp_path):
+    """Another configuration or revision is other data; --streaming changes how epochs are cut from it, so a
+    mid-epoch resume would skip other images than it trained on."""
+    run = tmp_path / "run"
+    finetune(data=str(sources["parquet"]), pretrained=str(tiny_model_dir), output=str(run), **QUICK)
+    for change, was in ((dict(streaming=True, steps_per_epoch=3), "--streaming False (not True)"),
+                        (dict(data_config="small"), "--data-config None (not 'small')"),
+                        (dict(data_revision="v2"), "--data-revision None (not 'v2')")):
+        with pytest.raises(VitftError, match=f"a resumed run keeps its own {re.escape(was)}"):
+            finetune(resume=run, epochs=2, **change)
+
+
 def test_streaming_writes_no_copy_of_the_dataset(sources, tiny_model_dir, tmp_path, monkeypatch):
     cache = tmp_path / "hf-cache"
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
@@ -280,6 +295,24 @@ def test_vitft_shards_writes_shards_that_train(sources, photos, tmp_path):
     assert id_labels(_stream_samples(splits.val)) == id_labels(photos["validation"])
 
 
+def test_vitft_shards_refuses_to_mix_with_old_shards_unless_overwrite(sources, tmp_path):
+    """Shards written over older ones of another --shard-size would leave stale train-0000NN.tar beside the new."""
+    out = tmp_path / "out"
+    assert invoke_cli("shards", sources["saved"], out, "--shard-size", "1").exit_code == 0
+    refused = invoke_cli("shards", sources["saved"], out, "--shard-size", "5")
+    assert refused.exit_code == 1 and "already holds 18 shard(s)" in refused.output
+    assert "--overwrite" in refused.output and len(list(out.glob("train-*.tar"))) == 12
+    assert invoke_cli("shards", sources["saved"], out, "--shard-size", "5", "--overwrite").exit_code == 0
+    assert sorted(p.name for p in out.glob("*")) == ["classes.json", "train-000000.tar", "train-000001.tar",
+                                                      "train-000002.tar", "val-000000.tar", "val-000001.tar"]
+    again = find_dataset(str(out / "train-{000000..000002}.tar"), val_data=str(out / "val-{000000..000001}.tar"))
+    with pytest.raises(VitftError, match="holds the shards being read: write the new shards to another folder"):
+        write_shards(again, out, overwrite=True)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(VitftError, match="is a file, not a folder: give a folder for the shards"):
+        write_shards(find_dataset(sources["saved"]), tmp_path / "file")
+
+
 def test_lists_of_class_labels_make_the_task_multi_label(photos, tmp_path):
     labels = datasets.Sequence(datasets.ClassLabel(names=SCENES))
     features = datasets.Features({"image": datasets.Image(), "labels": labels})
@@ -293,11 +326,62 @@ def test_lists_of_class_labels_make_the_task_multi_label(photos, tmp_path):
     assert found == {content_id(p): tuple(sorted(t)) for (p, _), t in zip(rows, tags)}
 
 
+def test_a_label_column_of_strings_names_the_classes(photos, tmp_path):
+    """Parquet written by pandas or a labelling tool has labels as text, not a ClassLabel: the sorted names are the
+    classes (or --label-names, in their order); a stream, which cannot be listed first, needs --label-names."""
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.Value("string")})
+    table = datasets.DatasetDict({split: datasets.Dataset.from_dict(
+        {"image": [{"bytes": p.read_bytes(), "path": p.name} for p, _ in rows],
+         "label": [SCENES[label] for _, label in rows]}, features=features) for split, rows in photos.items()})
+    for split, rows in table.items():
+        rows.to_parquet(str(tmp_path / "pq" / f"{split}-00000-of-00001.parquet"))
+    splits = find_dataset(tmp_path / "pq")
+    assert splits.classes == SCENES and id_labels(splits.train) == id_labels(photos["train"])
+    reverse = find_dataset(tmp_path / "pq", label_names=",".join(reversed(SCENES)))
+    assert {content_id(image): label for image, label in reverse.val} == {
+        content_id(p): 2 - label for p, label in photos["validation"]}
+    with pytest.raises(VitftError, match="label column 'label' holds names, which a stream cannot list before"):
+        find_dataset(tmp_path / "pq", streaming=True)
+    streamed = find_dataset(tmp_path / "pq", streaming=True, label_names=",".join(SCENES))
+    assert id_labels(_stream_samples(streamed.train)) == id_labels(photos["train"])
+
+
+def test_plain_parquet_with_image_paths_or_bytes_is_read(photos, tmp_path):
+    """Parquet written without datasets' features (pyarrow, pandas) holds images as path strings (relative to
+    its folder, or absolute) or as {bytes, path} structs in a column named like an image. A path to no file is
+    counted as images that cannot be read are, also in a stream."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "plain" / "images").mkdir(parents=True)
+    for path, _ in photos["train"] + photos["validation"]:
+        (tmp_path / "plain" / "images" / path.name).symlink_to(path)
+    for split, rows in photos.items():
+        names = [f"images/{p.name}" if i % 2 else str(tmp_path / "plain" / "images" / p.name)
+                 for i, (p, _) in enumerate(rows)]
+        labels = [SCENES[label] for _, label in rows]
+        if split == "train":
+            names, labels = names + ["images/gone.jpg"], labels + ["sea"]
+        pq.write_table(pa.table({"path": names, "label": labels}), tmp_path / "plain" / f"{split}.parquet")
+    splits = find_dataset(tmp_path / "plain")
+    assert splits.classes == SCENES and id_labels(splits.val) == id_labels(photos["validation"])
+    assert id_labels(splits.train[:-1]) == id_labels(photos["train"]) and str(splits.train[-1][0]).endswith("#12")
+    stream = StreamDataset(find_dataset(tmp_path / "plain", streaming=True, label_names=",".join(SCENES)).train,
+                           pixel_ids)
+    assert Counter(int(label) for _, label in stream) == Counter(label for _, label in photos["train"])
+    assert int(stream._failed) == 1
+    rows = photos["train"]
+    pq.write_table(pa.table({"image": [{"bytes": p.read_bytes(), "path": p.name} for p, _ in rows],
+                             "label": [label for _, label in rows]}), tmp_path / "bytes.parquet")
+    splits = find_dataset(tmp_path / "bytes.parquet", val_split=0.25, label_names=",".join(SCENES))
+    assert splits.classes == SCENES and id_labels(splits.train + splits.val) == id_labels(rows)
+
+
 # ---- bad input -------------------------------------------------------------------------------------------------
 def test_a_dataset_without_an_image_column_is_an_error(tmp_path):
     features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=SCENES)})
     datasets.Dataset.from_dict({"text": ["a"], "label": [0]}, features=features).save_to_disk(str(tmp_path / "d"))
-    with pytest.raises(VitftError, match=r"has no image column \(an Image feature\) among text, label"):
+    with pytest.raises(VitftError, match=r"has no image column \(an Image feature, or paths .*\) among text, label"):
         find_dataset(tmp_path / "d")
 
 
@@ -317,6 +401,28 @@ def test_numbered_labels_need_names(sources, photos, tmp_path):
     with pytest.raises(VitftError, match="no class names for .*write classes.json or classes.txt"):
         find_dataset(pattern, val_data=pattern)
     assert find_dataset(pattern, val_data=pattern, label_names="buildings, forest,sea").classes == SCENES
+
+
+def test_shards_with_dotted_and_uppercase_names_are_read_and_samples_without_labels_counted(photos, tmp_path,
+                                                                                           caplog):
+    """webdataset keys a member by its name up to the first dot: 'a.b.jpg' is key 'a' with field 'b.jpg', and
+    'a.jpg' beside it joins the same sample. Each name before the extension is an image of its own."""
+    names = ["a.b", "a", "x.y.z", "UPPER", "a b", "\u00fcn\u00ef"]
+    rows = photos["train"][:len(names)]
+    with tarfile.open(tmp_path / "train-0.tar", "w") as tar:
+        for name, (path, label) in zip(names, rows):
+            suffix = ".JPG" if name == "UPPER" else ".jpg"
+            for member, data in ((name + suffix, path.read_bytes()), (name + ".cls", str(label).encode())):
+                info = tarfile.TarInfo(member)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        info = tarfile.TarInfo("unlabelled.jpg")
+        info.size = len(rows[0][0].read_bytes())
+        tar.addfile(info, io.BytesIO(rows[0][0].read_bytes()))
+    shard = str(tmp_path / "train-0.tar")
+    found = find_dataset(shard, val_data=shard, label_names=",".join(SCENES)).train
+    assert id_labels(_stream_samples(found)) == id_labels(rows)
+    assert "left out 1 sample(s) without an image" in caplog.text and "unlabelled" in caplog.text
 
 
 def test_an_empty_shard_is_skipped_with_a_warning(sources, photos, tmp_path, caplog):

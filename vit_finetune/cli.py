@@ -312,13 +312,14 @@ def shards_cmd(
     data_config: Optional[str] = typer.Option(None, help="With hf:NAME: the dataset's configuration."),
     data_revision: Optional[str] = typer.Option(None, help="With hf:NAME: the dataset's branch, tag or commit."),
     label_names: Optional[str] = typer.Option(None, help="Class names of integer labels, comma-separated."),
+    overwrite: bool = typer.Option(False, help="Replace the shards already in OUT (else they are refused)."),
 ):
     """Write WebDataset tar shards from any data --data takes, for streamed training at scale."""
     from .data.datasets import find_dataset
     from .data.shards import write_shards
 
     splits = find_dataset(src, val_split, seed, config=data_config, revision=data_revision, label_names=label_names)
-    for split, shards in write_shards(splits, out, shard_size).items():
+    for split, shards in write_shards(splits, out, shard_size, overwrite).items():
         pattern = f"{split}-{{000000..{len(shards) - 1:06d}}}.tar" if len(shards) > 1 else shards[0].name
         typer.echo(f"{split}: {len(shards)} shard{'s' * (len(shards) != 1)}, {_printable(out / pattern)}")
 

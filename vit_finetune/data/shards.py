@@ -122,15 +122,19 @@ class ShardStream:
             return True
 
         for index, url in shards:
-            for j, sample in enumerate(tarfile_samples([{"url": url}], handler=skip)):
+            unusable = []
+            for j, sample in enumerate(_samples(tarfile_samples([{"url": url}], handler=skip))):
                 if (j + index) % world != rank:
                     continue
                 image = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
                 label = self._label(sample)
                 if image is None or label is None:
-                    log.debug("%s: sample %s has no image or no label", self.name, sample.get("__key__"))
+                    unusable.append(sample["__key__"])
                     continue
                 yield f"{url}/{sample['__key__']}", image, label
+            if unusable:
+                log.warning("%s: left out %d sample(s) without an image (%s) or a label (cls, json) in %s: %s",
+                            self.name, len(unusable), ", ".join(IMAGE_KEYS), url, few(unusable))
 
     def _label(self, sample: dict) -> Optional[Label]:
         if "cls" in sample:
@@ -147,6 +151,20 @@ class ShardStream:
         return tuple(sorted(set(indices))) if isinstance(value, list) else indices[0]
 
 
+def _samples(grouped: Iterable[dict]) -> Iterator[dict]:
+    """webdataset's samples split by the whole name before the extension: it keys a member by its name up to the
+    first dot, so 'a.b.jpg' and 'a.b.cls' are fields 'b.jpg' and 'b.cls' of sample 'a' (with 'a.jpg' too if it is
+    beside them); here they are sample 'a.b', with fields 'jpg' and 'cls'."""
+    for sample in grouped:
+        split: dict[str, dict] = {}
+        for field, value in sample.items():
+            if not field.startswith("__"):
+                stem, _, ext = field.rpartition(".")
+                key = f"{sample['__key__']}.{stem}" if stem else sample["__key__"]
+                split.setdefault(key, {"__key__": key})[ext] = value
+        yield from split.values()
+
+
 def _buffer_shuffled(records: Iterable[Record], seed: int, size: int = SHUFFLE_BUFFER) -> Iterator[Record]:
     """Records in a seeded random order drawn from a buffer of `size`, as webdataset's shuffle stage does."""
     rng, buffer = random.Random(seed), []
@@ -158,15 +176,24 @@ def _buffer_shuffled(records: Iterable[Record], seed: int, size: int = SHUFFLE_B
     yield from buffer
 
 
-def write_shards(splits: DatasetSplits, out: str | Path, shard_size: int = 1000) -> dict[str, list[Path]]:
+def write_shards(splits: DatasetSplits, out: str | Path, shard_size: int = 1000,
+                 overwrite: bool = False) -> dict[str, list[Path]]:
     """Write each split of a dataset (datasets.find_dataset's) as tar shards of `shard_size` samples:
     OUT/train-000000.tar ..., val-..., test-..., and OUT/classes.json. Images keep their encoding (JPEG, PNG,
     WebP; others become PNG); labels are `cls`, or `json` {"labels": [...]} for several. Each shard is written
     to a temporary name and renamed: a crash leaves no half-written shard. Unreadable images are counted and
-    left out."""
+    left out. Shards already in OUT are refused (new ones would mix with the stale), or removed with
+    `overwrite`."""
     if shard_size < 1:
         raise VitftError(f"--shard-size must be at least 1, got {shard_size}")
     out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise VitftError(f"{out} is a file, not a folder: give a folder for the shards")
+    sources = [Path(url).resolve() for split in (splits.train, splits.val, splits.test)
+               for url in getattr(split, "urls", ()) if "://" not in url]
+    if any(source.parent == out.resolve() for source in sources):
+        raise VitftError(f"{out} holds the shards being read: write the new shards to another folder")
+    _clear_old_shards(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, list[Path]] = {}
     for split in ("train", "val", "test"):
@@ -175,6 +202,18 @@ def write_shards(splits: DatasetSplits, out: str | Path, shard_size: int = 1000)
             written[split] = _write_split(_split_records(samples), out, split, shard_size)
     atomic_write(out / "classes.json", lambda tmp: tmp.write_text(json.dumps(splits.classes, indent=1)))
     return written
+
+
+def _clear_old_shards(out: Path, overwrite: bool) -> None:
+    """Remove the shards (and half-written ones) of an earlier write to `out` with `overwrite`, else refuse."""
+    old = [p for split in ("train", "val", "test") for p in out.glob(f"{split}-[0-9]*.tar")]
+    if old and not overwrite:
+        raise VitftError(f"{out} already holds {len(old)} shard(s) ({few([p.name for p in old])}); pass "
+                         "--overwrite to replace them, or give an empty folder")
+    for path in old + list(out.glob(".*-[0-9]*.tar.tmp")):
+        path.unlink()
+    if old:
+        (out / "classes.json").unlink(missing_ok=True)
 
 
 def _split_records(samples: Any) -> Iterator[tuple[str, Any, Label]]:

@@ -25,7 +25,8 @@ log = logging.getLogger("vitft")
 
 # options that define a run: a resume that changed them would re-split the data or ignore them
 _RUN_DEFINING = ("seed", "val_split", "img_size", "pretrained", "model", "model_kwargs", "lora", "lora_targets",
-                 "lora_method", "lora_alpha", "lora_dropout")  # a resume rebuilds the adapter from the checkpoint's
+                 "lora_method", "lora_alpha", "lora_dropout",  # a resume rebuilds the adapter from the checkpoint's
+                 "data_config", "data_revision", "streaming")  # other data, or epochs cut from it otherwise
 
 
 def finetune(config: TrainConfig | dict | None = None, resume: Optional[str | Path] = None,
