@@ -156,3 +156,20 @@ def test_a_budget_spent_after_the_first_steps_says_how_much_is_needed(two_classe
     with pytest.raises(VitftError, match=r"--time-budget 0.5 min is too short: [\d.]+ s went to setting up and the "
                                          r"first \d+ step\(s\), .* give it at least [\d.]+ min"):
         _run(tmp_path, two_classes, tiny_model_dir, epochs=3, time_budget=0.5)
+
+
+def test_a_budget_covers_the_activation_cache_and_both_phases_of_partial_fine_tuning(two_classes, tiny_model_dir,
+                                                                                    tmp_path, caplog):
+    """A head phase whose share of the budget holds less than an epoch end still takes its one epoch when the
+    budget holds it (it was an error saying to give more minutes than were given); the partial phase after it
+    caches its activations and trains within the rest, its schedule ending at min_lr on its last step."""
+    caplog.set_level("INFO", logger="vitft")
+    budget = 0.25
+    result, rows, seconds = _run(tmp_path, two_classes, tiny_model_dir, time_budget=budget, epochs=200,
+                                 freeze_backbone=True, unfreeze_after=20, train_blocks=1, budget_head_share=0.005)
+    assert seconds <= budget * 60 * 1.05 and not result.interrupted
+    assert "activations of 60 images" in caplog.text  # the partial phase's cache, within the budget
+    plans = RunFolder(tmp_path / "run").read_checkpoint()["budget"]["plans"]
+    assert plans["0"]["epochs"] == 1 and plans["0"]["end_step"] == plans["1"]["first_step"]
+    assert result.epochs_done == int(rows[-1]["planned_epochs"]) >= 2
+    _assert_schedule_complete(tmp_path / "run", rows)

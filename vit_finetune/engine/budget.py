@@ -203,6 +203,10 @@ class TimeBudget(Callback):
         epoch_end_s = self._validation_s() + self._save_s()
         seconds = self.ends_by[index] - self.used()
         fitted = fit(seconds, self.step_s, epoch_end_s, self.caps[index], self.full_steps, done)
+        shortest = (max(done, 1) - done) * self.step_s + epoch_end_s  # one epoch, of the steps already done
+        if fitted is None and self.used() + shortest <= self.budget_s * (1 - MARGIN):
+            fitted = 1, max(done, 1)  # a share too small for an epoch end: the phase still takes its one epoch
+            self.ends_by[index] = self.used() + shortest
         if fitted is None:
             need = self.used() + (self.full_steps - done) * self.step_s + epoch_end_s
             return {"error": f"--time-budget {cfg.time_budget:g} min is too short: {self.used():.2g} s went to "
