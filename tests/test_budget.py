@@ -4,6 +4,7 @@ down and across a resume, --epochs as the cap, and one-line errors for budgets t
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -53,6 +54,9 @@ def test_fit_fills_the_time_with_full_epochs_or_fewer_shorter_ones():
     assert fit(1.5, 0.1, 1.0, max_epochs=100, max_steps=10) == (1, 5)  # less than one epoch fits
     assert fit(1.5, 0.1, 1.0, max_epochs=100, max_steps=10, done=3) == (1, 8)  # 3 steps already behind
     assert fit(0.5, 0.1, 1.0, max_epochs=100, max_steps=10) is None  # not even the epoch's end fits
+    # a re-fit: whole epochs (3 of the 3.5 that fit), shorter ones only when less than one fits
+    assert fit(7.0, 0.1, 1.0, max_epochs=100, max_steps=10, whole_epochs=True) == (3, 10)
+    assert fit(1.5, 0.1, 1.0, max_epochs=100, max_steps=10, done=3, whole_epochs=True) == (1, 8)
 
 
 def test_a_budget_plans_both_phases_says_so_and_ends_in_time(two_classes, tiny_model_dir, tmp_path, caplog):
@@ -101,6 +105,9 @@ def test_a_slowed_machine_replans_and_still_ends_in_time_at_min_lr(two_classes, 
     assert any("slower than planned" in r.getMessage() and "re-fitted from step" in r.getMessage()
                for r in caplog.records)
     assert int(rows[-1]["planned_steps"]) < int(rows[0]["planned_steps"])
+    planned = re.search(r"plan: \d+ epochs x (\d+) steps", caplog.text)
+    plan = RunFolder(tmp_path / "run").read_checkpoint()["budget"]["plans"]["0"]
+    assert plan["steps_per_epoch"] == int(planned[1])  # re-fits drop whole epochs, not a step of each epoch
     _assert_schedule_complete(tmp_path / "run", rows)
 
 

@@ -49,13 +49,17 @@ SAVE_S, SAVE_BYTES_PER_S = 0.5, 200e6  # an epoch end's saving (best model, chec
 
 
 def fit(seconds: float, step_s: float, epoch_end_s: float, max_epochs: int, max_steps: int,
-        done: int = 0) -> Optional[tuple[int, int]]:
+        done: int = 0, whole_epochs: bool = False) -> Optional[tuple[int, int]]:
     """(epochs, steps per epoch) that fill `seconds`: all of `max_epochs` full epochs of `max_steps` when they fit,
     else the fewest epochs, each shorter than a full one where needed, that use the time; `done` steps of the first
-    epoch are already behind (they cost nothing more). None when not even the current epoch can end in time."""
+    epoch are already behind (they cost nothing more). `whole_epochs` (a re-fit): the full epochs that fit, shorter
+    ones only when not even one does; re-fits that shortened every epoch again would end in epochs of a step or
+    two, each paying a whole epoch end. None when not even the current epoch can end in time."""
     fits = (seconds + done * step_s) / (max_steps * step_s + epoch_end_s)  # full epochs, fractional
     if fits >= max_epochs:
         return max_epochs, max_steps
+    if whole_epochs and fits >= 1:
+        return math.floor(fits), max_steps
     for epochs in range(min(max_epochs, max(1, math.ceil(fits))), 0, -1):
         steps = min(max_steps, math.floor(((seconds - epochs * epoch_end_s) / step_s + done) / epochs))
         if steps >= max(done, 1):
@@ -244,7 +248,8 @@ class TimeBudget(Callback):
         seconds = self.ends_by[index] - self.used()
         if need <= seconds + MARGIN / 2 * self.budget_s or left < 1:
             return None
-        epochs, steps = fit(seconds, step_s, epoch_end_s, left, plan["steps_per_epoch"], done) or (1, done + 1)
+        epochs, steps = fit(seconds, step_s, epoch_end_s, left, plan["steps_per_epoch"], done,
+                            whole_epochs=True) or (1, done + 1)
         end = state.global_step + epochs * steps - done
         if end >= plan["end_step"] or end <= state.global_step:
             return None
