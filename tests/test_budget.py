@@ -180,3 +180,14 @@ def test_a_budget_covers_the_activation_cache_and_both_phases_of_partial_fine_tu
     assert plans["0"]["epochs"] == 1 and plans["0"]["end_step"] == plans["1"]["first_step"]
     assert result.epochs_done == int(rows[-1]["planned_epochs"]) >= 2
     _assert_schedule_complete(tmp_path / "run", rows)
+
+
+def test_a_budget_given_to_the_resume_of_a_run_without_one_plans_the_epochs_left(two_classes, tiny_model_dir,
+                                                                                 tmp_path):
+    """The plan starts at the resumed epoch: its schedule ends at min_lr on the run's last step (it planned all
+    of --epochs again from there, and the run ended mid-cosine)."""
+    _run(tmp_path, two_classes, tiny_model_dir, epochs=2)
+    resumed = finetune(resume=str(tmp_path / "run"), epochs=5, time_budget=2)
+    rows = RunFolder(tmp_path / "run").read_metrics()
+    assert resumed.epochs_done == 5 and int(rows[-1]["planned_epochs"]) == 5
+    _assert_schedule_complete(tmp_path / "run", rows)

@@ -206,7 +206,9 @@ class TimeBudget(Callback):
         done = state.step_in_epoch  # steps of the phase's first epoch behind (with their one-time passes)
         epoch_end_s = self._validation_s() + self._save_s()
         seconds = self.ends_by[index] - self.used()
-        fitted = fit(seconds, self.step_s, epoch_end_s, self.caps[index], self.full_steps, done)
+        behind = state.epoch - trainer.plan.phases[index][0]  # the phase's epochs done by a run without a budget
+        cap = self.caps[index] - behind
+        fitted = fit(seconds, self.step_s, epoch_end_s, cap, self.full_steps, done)
         shortest = (max(done, 1) - done) * self.step_s + epoch_end_s  # one epoch, of the steps already done
         if fitted is None and self.used() + shortest <= self.budget_s * (1 - MARGIN):
             fitted = 1, max(done, 1)  # a share too small for an epoch end: the phase still takes its one epoch
@@ -222,12 +224,13 @@ class TimeBudget(Callback):
         warmup = fitted_warmup_epochs(cfg.warmup_epochs, epochs, steps) * steps if provisional.warmup_t else 0
         first_step = state.global_step - done
         ends_at = self.used() + (epochs * steps - done) * self.step_s + epochs * epoch_end_s
-        plan = {"first_epoch": state.epoch, "first_step": first_step, "epochs": epochs, "steps_per_epoch": steps,
-                "steps": epochs * steps, "warmup_steps": warmup, "lr": provisional.base_values[0], "refits": [],
+        plan = {"first_epoch": state.epoch - behind, "first_step": first_step, "epochs": behind + epochs,
+                "steps_per_epoch": steps, "steps": epochs * steps, "warmup_steps": warmup,
+                "lr": provisional.base_values[0], "refits": [],
                 "end_step": first_step + epochs * steps, "ends_at": ends_at, "step_s": self.step_s,
                 "epoch_end_s": epoch_end_s}
         phase = f" (phase {index + 1}, {type(trainer.phase).__name__})" if sum(map(bool, self.caps)) > 1 else ""
-        capped = " (--epochs caps it)" if (epochs, steps) == (self.caps[index], self.full_steps) else ""
+        capped = " (--epochs caps it)" if (epochs, steps) == (cap, self.full_steps) else ""
         log.info("time budget: %s img/s measured over the first steps (%.3g s a step), an epoch end (validation, "
                  "saving) ~%.1f s; plan%s: %d epoch%s x %d steps = %d steps%s, warmup %d steps, ending at %s "
                  "(%.3g of %g min)", format_rate(trainer.effective_batch / self.step_s), self.step_s, epoch_end_s,
