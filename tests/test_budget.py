@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import make_images
+from conftest import REPO, make_images, torchrun
 
 from vit_finetune.engine import budget as budget_module
 from vit_finetune.engine.api import finetune
@@ -191,3 +193,39 @@ def test_a_budget_given_to_the_resume_of_a_run_without_one_plans_the_epochs_left
     rows = RunFolder(tmp_path / "run").read_metrics()
     assert resumed.epochs_done == 5 and int(rows[-1]["planned_epochs"]) == 5
     _assert_schedule_complete(tmp_path / "run", rows)
+
+
+def test_a_torchrun_worker_counts_the_budget_from_the_launcher_start():
+    """A worker's command age is its launcher's (torchrun's), whose start-up before the workers (seconds of
+    imports) is part of the command; a plain process counts from its own start."""
+    worker = "import time; from vit_finetune.cli import command_age; print(command_age())"
+    launcher = (f"import os, subprocess, sys, time; time.sleep(1.5); env = dict(os.environ, **{{sys.argv[1]: '1'}}); "
+                f"print(subprocess.run([sys.executable, '-c', {worker!r}], env=env, capture_output=True, text=True, "
+                "check=True).stdout)")
+    ages = [float(subprocess.run([sys.executable, "-c", launcher, name], env=dict(os.environ, PYTHONPATH=str(REPO)),
+                                 capture_output=True, text=True, timeout=120, check=True).stdout)
+            for name in ("TORCHELASTIC_RUN_ID", "NOT_TORCHRUN")]
+    assert ages[0] >= 1.5 > ages[1]
+
+
+@pytest.mark.slow  # torchrun: seconds of start-up
+def test_ddp_ranks_follow_one_budget_through_both_phases(two_classes, tiny_model_dir, tmp_path):
+    """Two processes with a head phase then partial fine-tuning: rank 0 plans, rank 1 follows (a rank that
+    decided alone would wait on the other for ever: the subprocess timeout ends it); the run ends within the
+    budget (+ torchrun's teardown after the workers end), at min_lr."""
+    out, budget = tmp_path / "run", 0.75
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"data: {two_classes}\npretrained: {tiny_model_dir}\nlr: 0.005\nmin_lr: {MIN_LR}\n"
+                      "val_split: 0.2\n")
+    start = time.monotonic()
+    proc = torchrun("--recipe", str(recipe), "--output", str(out), "--epochs", "200", "--freeze-backbone",
+                    "--unfreeze-after", "20", "--train-blocks", "1", "--time-budget", str(budget), "--batch-size", "4",
+                    timeout=budget * 60 * 3)
+    seconds = time.monotonic() - start
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    folder = RunFolder(out)
+    state = folder.read_checkpoint()
+    assert state["budget"]["used_s"] <= budget * 60  # the workers' part, torchrun's start-up included
+    assert seconds <= budget * 60 * 1.05 + 10  # torchrun's teardown: seconds on a busy 2-core machine
+    assert sorted(state["budget"]["plans"]) == ["0", "1"]
+    _assert_schedule_complete(out, folder.read_metrics())
