@@ -209,12 +209,23 @@ def invoke_cli(*args):
 
 def torchrun(*args: str, timeout: float = 300):
     """`vitft finetune ARGS` in 2 processes on gloo (CPU, fp32: the same numbers on every CPU), ended after
-    `timeout` seconds (ranks that disagree would wait on each other for ever); --standalone picks a free port (a
-    fixed one collides with parallel runs)."""
+    `timeout` seconds, workers included (ranks that disagree would wait on each other for ever, and outlive a
+    killed torchrun); --standalone picks a free port (a fixed one collides with parallel runs)."""
+    import signal
     import subprocess
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "vit_finetune", "finetune", *args, "--workers", "0", "--device", "cpu", "--precision", "fp32",
            "--quiet"]
     env = dict(os.environ, PYTHONPATH=str(REPO), NO_ALBUMENTATIONS_UPDATE="1", OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # the workers first (torchrun puts each in a session of its own), then torchrun
+            workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            for pid in [*map(int, workers), proc.pid]:
+                os.kill(pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
