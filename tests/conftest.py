@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -204,3 +205,27 @@ def invoke_cli(*args):
 
     logging.getLogger("vitft").handlers.clear()  # cli binds its handler to the first CliRunner's stderr
     return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def torchrun(*args: str, timeout: float = 300):
+    """`vitft finetune ARGS` in 2 processes on gloo (CPU, fp32: the same numbers on every CPU), ended after
+    `timeout` seconds, workers included (ranks that disagree would wait on each other for ever, and outlive a
+    killed torchrun); --standalone picks a free port (a fixed one collides with parallel runs)."""
+    import signal
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "vit_finetune", "finetune", *args, "--workers", "0", "--device", "cpu", "--precision", "fp32",
+           "--quiet"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), NO_ALBUMENTATIONS_UPDATE="1", OMP_NUM_THREADS="1")
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # the workers first (torchrun puts each in a session of its own), then torchrun
+            workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            for pid in [*map(int, workers), proc.pid]:
+                os.kill(pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

@@ -4,12 +4,15 @@ down and across a resume, --epochs as the cap, and one-line errors for budgets t
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import make_images
+from conftest import REPO, make_images, torchrun
 
 from vit_finetune.engine import budget as budget_module
 from vit_finetune.engine.api import finetune
@@ -53,6 +56,9 @@ def test_fit_fills_the_time_with_full_epochs_or_fewer_shorter_ones():
     assert fit(1.5, 0.1, 1.0, max_epochs=100, max_steps=10) == (1, 5)  # less than one epoch fits
     assert fit(1.5, 0.1, 1.0, max_epochs=100, max_steps=10, done=3) == (1, 8)  # 3 steps already behind
     assert fit(0.5, 0.1, 1.0, max_epochs=100, max_steps=10) is None  # not even the epoch's end fits
+    # a re-fit: whole epochs (3 of the 3.5 that fit), shorter ones only when less than one fits
+    assert fit(7.0, 0.1, 1.0, max_epochs=100, max_steps=10, whole_epochs=True) == (3, 10)
+    assert fit(1.5, 0.1, 1.0, max_epochs=100, max_steps=10, done=3, whole_epochs=True) == (1, 8)
 
 
 def test_a_budget_plans_both_phases_says_so_and_ends_in_time(two_classes, tiny_model_dir, tmp_path, caplog):
@@ -101,6 +107,9 @@ def test_a_slowed_machine_replans_and_still_ends_in_time_at_min_lr(two_classes, 
     assert any("slower than planned" in r.getMessage() and "re-fitted from step" in r.getMessage()
                for r in caplog.records)
     assert int(rows[-1]["planned_steps"]) < int(rows[0]["planned_steps"])
+    planned = re.search(r"plan: \d+ epochs x (\d+) steps", caplog.text)
+    plan = RunFolder(tmp_path / "run").read_checkpoint()["budget"]["plans"]["0"]
+    assert plan["steps_per_epoch"] == int(planned[1])  # re-fits drop whole epochs, not a step of each epoch
     _assert_schedule_complete(tmp_path / "run", rows)
 
 
@@ -156,3 +165,67 @@ def test_a_budget_spent_after_the_first_steps_says_how_much_is_needed(two_classe
     with pytest.raises(VitftError, match=r"--time-budget 0.5 min is too short: [\d.]+ s went to setting up and the "
                                          r"first \d+ step\(s\), .* give it at least [\d.]+ min"):
         _run(tmp_path, two_classes, tiny_model_dir, epochs=3, time_budget=0.5)
+
+
+def test_a_budget_covers_the_activation_cache_and_both_phases_of_partial_fine_tuning(two_classes, tiny_model_dir,
+                                                                                    tmp_path, caplog):
+    """A head phase whose share of the budget holds less than an epoch end still takes its one epoch when the
+    budget holds it (it was an error saying to give more minutes than were given); the partial phase after it
+    caches its activations and trains within the rest, its schedule ending at min_lr on its last step."""
+    caplog.set_level("INFO", logger="vitft")
+    budget = 0.25
+    result, rows, seconds = _run(tmp_path, two_classes, tiny_model_dir, time_budget=budget, epochs=200,
+                                 freeze_backbone=True, unfreeze_after=20, train_blocks=1, budget_head_share=0.005)
+    assert seconds <= budget * 60 * 1.05 and not result.interrupted
+    assert "activations of 60 images" in caplog.text  # the partial phase's cache, within the budget
+    plans = RunFolder(tmp_path / "run").read_checkpoint()["budget"]["plans"]
+    assert plans["0"]["epochs"] == 1 and plans["0"]["end_step"] == plans["1"]["first_step"]
+    assert result.epochs_done == int(rows[-1]["planned_epochs"]) >= 2
+    _assert_schedule_complete(tmp_path / "run", rows)
+
+
+def test_a_budget_given_to_the_resume_of_a_run_without_one_plans_the_epochs_left(two_classes, tiny_model_dir,
+                                                                                 tmp_path):
+    """The plan starts at the resumed epoch: its schedule ends at min_lr on the run's last step (it planned all
+    of --epochs again from there, and the run ended mid-cosine)."""
+    _run(tmp_path, two_classes, tiny_model_dir, epochs=2)
+    resumed = finetune(resume=str(tmp_path / "run"), epochs=5, time_budget=2)
+    rows = RunFolder(tmp_path / "run").read_metrics()
+    assert resumed.epochs_done == 5 and int(rows[-1]["planned_epochs"]) == 5
+    _assert_schedule_complete(tmp_path / "run", rows)
+
+
+def test_a_torchrun_worker_counts_the_budget_from_the_launcher_start():
+    """A worker's command age is its launcher's (torchrun's), whose start-up before the workers (seconds of
+    imports) is part of the command; a plain process counts from its own start."""
+    worker = "import time; from vit_finetune.cli import command_age; print(command_age())"
+    launcher = (f"import os, subprocess, sys, time; time.sleep(1.5); env = dict(os.environ, **{{sys.argv[1]: '1'}}); "
+                f"print(subprocess.run([sys.executable, '-c', {worker!r}], env=env, capture_output=True, text=True, "
+                "check=True).stdout)")
+    ages = [float(subprocess.run([sys.executable, "-c", launcher, name], env=dict(os.environ, PYTHONPATH=str(REPO)),
+                                 capture_output=True, text=True, timeout=120, check=True).stdout)
+            for name in ("TORCHELASTIC_RUN_ID", "NOT_TORCHRUN")]
+    assert ages[0] >= 1.5 > ages[1]
+
+
+@pytest.mark.slow  # torchrun: seconds of start-up
+def test_ddp_ranks_follow_one_budget_through_both_phases(two_classes, tiny_model_dir, tmp_path):
+    """Two processes with a head phase then partial fine-tuning: rank 0 plans, rank 1 follows (a rank that
+    decided alone would wait on the other for ever: the subprocess timeout ends it); the run ends within the
+    budget (+ torchrun's teardown after the workers end), at min_lr."""
+    out, budget = tmp_path / "run", 0.75
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"data: {two_classes}\npretrained: {tiny_model_dir}\nlr: 0.005\nmin_lr: {MIN_LR}\n"
+                      "val_split: 0.2\n")
+    start = time.monotonic()
+    proc = torchrun("--recipe", str(recipe), "--output", str(out), "--epochs", "200", "--freeze-backbone",
+                    "--unfreeze-after", "20", "--train-blocks", "1", "--time-budget", str(budget), "--batch-size", "4",
+                    timeout=budget * 60 * 3)
+    seconds = time.monotonic() - start
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    folder = RunFolder(out)
+    state = folder.read_checkpoint()
+    assert state["budget"]["used_s"] <= budget * 60  # the workers' part, torchrun's start-up included
+    assert seconds <= budget * 60 * 1.05 + 10  # torchrun's teardown: seconds on a busy 2-core machine
+    assert sorted(state["budget"]["plans"]) == ["0", "1"]
+    _assert_schedule_complete(out, folder.read_metrics())

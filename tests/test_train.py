@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import CLASSES, TINY, invoke_cli, make_images, make_subset
+from conftest import torchrun as _torchrun
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -162,14 +163,6 @@ def test_sigint_mid_epoch_then_resume_matches_an_uninterrupted_run(two_classes, 
     for part in ("model", "ema"):
         for key, value in straight[part].items():
             torch.testing.assert_close(resumed[part][key], value, atol=1e-6, rtol=0, msg=f"{part} {key}")
-
-
-def _torchrun(*args: str) -> subprocess.CompletedProcess:
-    """2 processes on gloo; --standalone picks a free port (a fixed one collides with parallel runs)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "vit_finetune", "finetune", *args, "--workers", "0", "--device", "cpu", "--precision", "fp32",
-           "--quiet"]  # the same numbers on every CPU
-    return subprocess.run(cmd, env=_cli_env(), capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.slow  # subprocesses (torchrun, a signal): several seconds each

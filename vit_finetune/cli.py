@@ -482,17 +482,19 @@ def push_cmd(
 
 def main() -> None:
     global COMMAND_STARTED
-    COMMAND_STARTED = time.monotonic() - _process_age()
+    COMMAND_STARTED = time.monotonic() - command_age()
     app()
 
 
-COMMAND_STARTED: Optional[float] = None  # time.monotonic() when this process started, for --time-budget
+COMMAND_STARTED: Optional[float] = None  # time.monotonic() when the command started, for --time-budget
 
 
-def _process_age() -> float:
-    """Seconds since this process started (Linux's /proc; 0 elsewhere): a --time-budget counts the imports too."""
+def command_age() -> float:
+    """Seconds since the command started (Linux's /proc; 0 elsewhere): a --time-budget counts the imports too, and
+    under torchrun (TORCHELASTIC_RUN_ID) the launcher's start-up before it started this worker, its parent."""
+    process = str(os.getppid()) if os.environ.get("TORCHELASTIC_RUN_ID") else "self"
     try:
-        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+        with open(f"/proc/{process}/stat") as stat, open("/proc/uptime") as uptime:
             start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
             return max(0.0, float(uptime.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):

@@ -49,13 +49,17 @@ SAVE_S, SAVE_BYTES_PER_S = 0.5, 200e6  # an epoch end's saving (best model, chec
 
 
 def fit(seconds: float, step_s: float, epoch_end_s: float, max_epochs: int, max_steps: int,
-        done: int = 0) -> Optional[tuple[int, int]]:
+        done: int = 0, whole_epochs: bool = False) -> Optional[tuple[int, int]]:
     """(epochs, steps per epoch) that fill `seconds`: all of `max_epochs` full epochs of `max_steps` when they fit,
     else the fewest epochs, each shorter than a full one where needed, that use the time; `done` steps of the first
-    epoch are already behind (they cost nothing more). None when not even the current epoch can end in time."""
+    epoch are already behind (they cost nothing more). `whole_epochs` (a re-fit): the full epochs that fit, shorter
+    ones only when not even one does; re-fits that shortened every epoch again would end in epochs of a step or
+    two, each paying a whole epoch end. None when not even the current epoch can end in time."""
     fits = (seconds + done * step_s) / (max_steps * step_s + epoch_end_s)  # full epochs, fractional
     if fits >= max_epochs:
         return max_epochs, max_steps
+    if whole_epochs and fits >= 1:
+        return math.floor(fits), max_steps
     for epochs in range(min(max_epochs, max(1, math.ceil(fits))), 0, -1):
         steps = min(max_steps, math.floor(((seconds - epochs * epoch_end_s) / step_s + done) / epochs))
         if steps >= max(done, 1):
@@ -202,7 +206,13 @@ class TimeBudget(Callback):
         done = state.step_in_epoch  # steps of the phase's first epoch behind (with their one-time passes)
         epoch_end_s = self._validation_s() + self._save_s()
         seconds = self.ends_by[index] - self.used()
-        fitted = fit(seconds, self.step_s, epoch_end_s, self.caps[index], self.full_steps, done)
+        behind = state.epoch - trainer.plan.phases[index][0]  # the phase's epochs done by a run without a budget
+        cap = self.caps[index] - behind
+        fitted = fit(seconds, self.step_s, epoch_end_s, cap, self.full_steps, done)
+        shortest = (max(done, 1) - done) * self.step_s + epoch_end_s  # one epoch, of the steps already done
+        if fitted is None and self.used() + shortest <= self.budget_s * (1 - MARGIN):
+            fitted = 1, max(done, 1)  # a share too small for an epoch end: the phase still takes its one epoch
+            self.ends_by[index] = self.used() + shortest
         if fitted is None:
             need = self.used() + (self.full_steps - done) * self.step_s + epoch_end_s
             return {"error": f"--time-budget {cfg.time_budget:g} min is too short: {self.used():.2g} s went to "
@@ -214,12 +224,13 @@ class TimeBudget(Callback):
         warmup = fitted_warmup_epochs(cfg.warmup_epochs, epochs, steps) * steps if provisional.warmup_t else 0
         first_step = state.global_step - done
         ends_at = self.used() + (epochs * steps - done) * self.step_s + epochs * epoch_end_s
-        plan = {"first_epoch": state.epoch, "first_step": first_step, "epochs": epochs, "steps_per_epoch": steps,
-                "steps": epochs * steps, "warmup_steps": warmup, "lr": provisional.base_values[0], "refits": [],
+        plan = {"first_epoch": state.epoch - behind, "first_step": first_step, "epochs": behind + epochs,
+                "steps_per_epoch": steps, "steps": epochs * steps, "warmup_steps": warmup,
+                "lr": provisional.base_values[0], "refits": [],
                 "end_step": first_step + epochs * steps, "ends_at": ends_at, "step_s": self.step_s,
                 "epoch_end_s": epoch_end_s}
         phase = f" (phase {index + 1}, {type(trainer.phase).__name__})" if sum(map(bool, self.caps)) > 1 else ""
-        capped = " (--epochs caps it)" if (epochs, steps) == (self.caps[index], self.full_steps) else ""
+        capped = " (--epochs caps it)" if (epochs, steps) == (cap, self.full_steps) else ""
         log.info("time budget: %s img/s measured over the first steps (%.3g s a step), an epoch end (validation, "
                  "saving) ~%.1f s; plan%s: %d epoch%s x %d steps = %d steps%s, warmup %d steps, ending at %s "
                  "(%.3g of %g min)", format_rate(trainer.effective_batch / self.step_s), self.step_s, epoch_end_s,
@@ -240,7 +251,8 @@ class TimeBudget(Callback):
         seconds = self.ends_by[index] - self.used()
         if need <= seconds + MARGIN / 2 * self.budget_s or left < 1:
             return None
-        epochs, steps = fit(seconds, step_s, epoch_end_s, left, plan["steps_per_epoch"], done) or (1, done + 1)
+        epochs, steps = fit(seconds, step_s, epoch_end_s, left, plan["steps_per_epoch"], done,
+                            whole_epochs=True) or (1, done + 1)
         end = state.global_step + epochs * steps - done
         if end >= plan["end_step"] or end <= state.global_step:
             return None
