@@ -167,6 +167,29 @@ def test_a_budget_spent_after_the_first_steps_says_how_much_is_needed(two_classe
         _run(tmp_path, two_classes, tiny_model_dir, epochs=3, time_budget=0.5)
 
 
+def test_a_feature_pass_that_cannot_fit_stops_early_with_what_it_needs(two_classes, tiny_model_dir, tmp_path,
+                                                                        monkeypatch):
+    """The head phase's one pass over the images is projected once it has run a while: a pass that would end past
+    the budget stops then with a one-line error (it used to run on, 2.5x past the budget, then fail)."""
+    from vit_finetune.engine.features import extract_features as slow
+
+    monkeypatch.setattr(budget_module, "PASS_CHECK_S", 0.5)
+
+    def slow_extract(model, loader, device, precision, views, progress, check_stop, encode=None, into=None):
+        def slow_encode(images):  # a machine where the pass takes ~0.4 s an image
+            time.sleep(0.4 * len(images))
+            return model.pool(model.forward_features(images))
+        return slow(model, loader, device, precision, views, progress, check_stop, slow_encode, into)
+
+    monkeypatch.setattr("vit_finetune.engine.phases.extract_features", slow_extract)
+    start = time.monotonic()
+    with pytest.raises(VitftError, match=r"--time-budget 0.2 min is too short: the pooled features pass alone would "
+                                         r"end [\d.]+ min into the run \([\d.]+ img/s for 60 images on this machine\); "
+                                         r"give it at least \d+ min"):
+        _run(tmp_path, two_classes, tiny_model_dir, epochs=3, time_budget=0.2, freeze_backbone=True, batch_size=2)
+    assert time.monotonic() - start < 0.2 * 60  # stopped before the budget, not after overrunning it
+
+
 def test_a_budget_covers_the_activation_cache_and_both_phases_of_partial_fine_tuning(two_classes, tiny_model_dir,
                                                                                     tmp_path, caplog):
     """A head phase whose share of the budget holds less than an epoch end still takes its one epoch when the

@@ -24,7 +24,7 @@ import time
 from datetime import datetime, timedelta
 from itertools import islice
 from statistics import mean
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -46,6 +46,7 @@ MARGIN = 0.02  # of the budget: kept free for the timing's noise; a re-fit start
 CHECKS_PER_EPOCH = 4  # re-checks within an epoch, besides the one at its start
 PROBE_BATCHES = 2  # validation batches timed to estimate a validation pass
 SAVE_S, SAVE_BYTES_PER_S = 0.5, 200e6  # an epoch end's saving (best model, checkpoint, curves), until measured
+PASS_CHECK_S = 10.0  # seconds of a one-time pass (cached features or activations) before its end is projected
 
 
 def fit(seconds: float, step_s: float, epoch_end_s: float, max_epochs: int, max_steps: int,
@@ -125,6 +126,26 @@ class TimeBudget(Callback):
         return (f"time budget: {cfg.time_budget:g} min from the command's start ({spent}{setup:.0f} s set-up so "
                 f"far): the run's length is planned from its first steps (--epochs {cfg.epochs} at most), to end by "
                 f"{self.clock_time(self.budget_s)}")
+
+    def pass_check(self, what: str, total: int) -> Callable[[int], None]:
+        """A check for a one-time pass over `total` images (pooled features, activations), called with the images
+        done: once the pass has run PASS_CHECK_S, a pass whose projected end is past the budget stops the run with a
+        one-line error then, not after overrunning the budget. One process only: DDP ranks that projected apart
+        would stop apart (theirs is the check after the first steps)."""
+        start = time.monotonic()
+
+        def check(done: int) -> None:
+            elapsed = time.monotonic() - start
+            if self.trainer.ddp.enabled or not done or elapsed < PASS_CHECK_S:
+                return
+            ends = self.used() + elapsed * (total - done) / done
+            if ends > self.budget_s * (1 - MARGIN):
+                raise VitftError(
+                    f"--time-budget {self.trainer.cfg.time_budget:g} min is too short: the {what} pass alone would "
+                    f"end {ends / 60:.1f} min into the run ({format_rate(done / elapsed)} img/s for {total} images on "
+                    f"this machine); give it at least {math.ceil(ends * 1.25 / 60)} min, or fewer images to pass "
+                    "(--feature-views, --max-steps-per-epoch)")
+        return check
 
     def cuts_epoch(self, step_in_epoch: int) -> bool:
         """Whether the loop ends the epoch here: a plan made it shorter than the batches its steps were made from."""

@@ -351,14 +351,22 @@ def cache_rows(trainer: Trainer, progress: ProgressBar, what: str, use: str, enc
     train_images = views * len(loader.sampler)
     val_images = len(trainer.val_set) if trainer.val_set is not None else 0
     task = progress.add_task(what, total=train_images + val_images, info="", unit=" images")
-    train = extract_features(trainer.model, loader, trainer.device, trainer.precision, views,
-                             lambda done, _: progress.update(task, completed=done), trainer.check_interrupt,
-                             encode, into)
+    check_budget = trainer.budget.pass_check(what, train_images + val_images) if trainer.budget else None
+
+    def shown(before: int):  # progress(done, total) of one of the two passes, `before` images done before it
+        def show(done: int, _) -> None:
+            progress.update(task, completed=before + done)
+            if check_budget is not None:
+                check_budget(before + done)
+        return show
+
+    train = extract_features(trainer.model, loader, trainer.device, trainer.precision, views, shown(0),
+                             trainer.check_interrupt, encode, into)
     val = None
     if trainer.val_set is not None:
         val = extract_features(trainer.model, trainer.val_loader, trainer.device, trainer.precision, 1,
-                               lambda done, _: progress.update(task, completed=train_images + done),
-                               trainer.check_interrupt, encode, None if into is None else into[len(train):])
+                               shown(train_images), trainer.check_interrupt, encode,
+                               None if into is None else into[len(train):])
     progress.remove_task(task)
     seconds = time.perf_counter() - start
     images = len(train) + (len(val) if val is not None else 0)
