@@ -176,3 +176,13 @@ def test_explain_gives_a_multi_label_model_its_sigmoid_probabilities(class_image
         [result] = explain(model, image, method=method, device="cpu", precision="fp32")
         assert result.labels == ["a", "b", "c"]
         assert result.probs == pytest.approx(torch.tensor([3.0, 2.0, 1.0]).sigmoid().tolist(), abs=1e-6)
+
+
+def test_evaluating_a_label_file_with_an_unknown_class_says_which_rows_to_remove(class_images, tmp_path):
+    model = tiny_classifier(("forest", "sea"))
+    model.pretrained_cfg["multi_label"] = True
+    forest = sorted((class_images / "forest").glob("*.jpg"))[:2]
+    (tmp_path / "test.csv").write_text(f"path,labels\n{forest[0]},forest\n{forest[1]},forest|lava\n")
+    with pytest.raises(VitftError, match=r"class 'lava' in the data is not known to the model \(its classes: forest, "
+                                         r"sea\); remove its images \(class folders, or label-file rows\) from"):
+        evaluate(model, tmp_path / "test.csv", output=None, workers=0, device="cpu")
