@@ -2,10 +2,9 @@
 as labelling tools export them. Reads the file and the image headers only.
 
 Paths are relative to the file's folder, or absolute. A relative path that leads out of that folder (`../x.jpg`)
-(by its text: symlinks inside the folder may point anywhere)
-is a bad row, as are a missing file, an empty label, an unreadable image and a JSONL line that is no JSON
-object: each is skipped, counted and
-reported by line number, and none stops the run. Several labels in a row (`a|b`, `a;b`, or a JSON list in JSONL)
+(by its text: symlinks inside the folder may point anywhere) is a bad row, as are a missing file, an empty label,
+an unreadable image and a JSONL line that is no JSON object: each is skipped, counted and reported by line number,
+and none stops the run. Several labels in a row (`a|b`, `a;b`, or a JSON list in JSONL)
 make the task multi-label. Labels that are all numbers are taken as class names (with a warning), ordered by value.
 """
 from __future__ import annotations
