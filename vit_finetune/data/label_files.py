@@ -3,9 +3,10 @@ as labelling tools export them. Reads the file and the image headers only.
 
 Paths are relative to the file's folder, or absolute. A relative path that leads out of that folder (`../x.jpg`)
 (by its text: symlinks inside the folder may point anywhere) is a bad row, as are a missing file, an empty label,
-an unreadable image and a JSONL line that is no JSON object: each is skipped, counted and reported by line number,
-and none stops the run. Several labels in a row (`a|b`, `a;b`, or a JSON list in JSONL)
-make the task multi-label. Labels that are all numbers are taken as class names (with a warning), ordered by value.
+an unreadable image, a JSONL line that is no JSON object and a second row of the same image: each is skipped,
+counted and reported by line number, and none stops the run. Several labels in a row (`a|b`, `a;b`, or a JSON
+list in JSONL) make the task multi-label. Labels that are all numbers are taken as class names (with a warning),
+ordered by value.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def read_label_file(path: str | os.PathLike, image_column: Optional[str] = None,
     image_key = _column(columns, image_column, IMAGE_COLUMNS, "image", path)
     label_key = _column(columns, label_column, LABEL_COLUMNS, "label", path)
     split_key = next((c for c in columns if c.lower() == "split"), None)
-    root, rows, bad = path.parent.resolve(), [], list(broken)
+    root, rows, bad, first_line = path.parent.resolve(), [], list(broken), {}
     for line, record in records:
         split = _split_name(record.get(split_key), line, path) if split_key else None
         labels = _labels(record.get(label_key))
@@ -63,6 +64,10 @@ def read_label_file(path: str | os.PathLike, image_column: Optional[str] = None,
             bad.append(f"line {line} (no label)")
         elif not file.is_absolute() and not Path(os.path.normpath(root / file)).is_relative_to(root):
             bad.append(f"line {line} ({image} is outside {root}: give it as an absolute path)")
+        elif (seen := first_line.setdefault(os.path.normpath(root / file), line)) != line:
+            # an image listed twice would count twice, and could be trained on and validated on
+            bad.append(f"line {line} ({image} repeats line {seen}: give each image one row, with all its labels "
+                       f"as a|b)")
         else:
             rows.append((line, file if file.is_absolute() else root / file, labels, split))
     with ThreadPoolExecutor(8) as pool:  # header reads only, threads hide the latency of network file systems
