@@ -245,6 +245,12 @@ def test_imbalance_warnings_thresholds():
     assert len(balanced) == 1 and "--balance sampler gives them their share, but cannot add variety" in balanced[0]
 
 
+
+def test_multi_label_warnings_do_not_offer_the_balance_that_multi_label_refuses():
+    warnings = imbalance_warnings({"a": 200, "b": 3}, "none", multi_label=True)
+    assert len(warnings) == 2 and not any("--balance" in line for line in warnings)
+    assert warnings[0].endswith("read per-class AP and macro F1, not mAP alone")
+
 def test_a_class_without_training_images_is_not_promised_a_share():
     """A class that only the validation split holds (a dataset's ClassLabel names it): no --balance can help it."""
     for balance in ("none", "sampler"):

@@ -85,6 +85,35 @@ def test_bad_rows_are_skipped_and_reported_by_line_number(intel_dir, tmp_path, c
     assert f"line {first + 2} (../elsewhere.jpg is outside" in warning and "and 1 more" in warning
 
 
+
+def test_broken_jsonl_lines_are_skipped_and_reported_by_line_number(intel_dir, tmp_path, caplog):
+    rows = linked(tmp_path, photos(intel_dir, 2))
+    lines = [json.dumps({"path": path, "label": name}) for path, name in rows]
+    lines[2:2] = ['{"path": "img/x.jpg", "label": ', '["not", "an", "object"]']  # lines 3 and 4 (an export cut short)
+    (tmp_path / "labels.jsonl").write_text("\n".join(lines) + "\n")
+    with caplog.at_level(logging.WARNING, logger="vitft"):
+        splits = find_dataset(tmp_path / "labels.jsonl", val_split=0.25)
+    assert len(splits.train) + len(splits.val) == len(rows)
+    warning = next(r.getMessage() for r in caplog.records if "skipped" in r.getMessage())
+    assert f"skipped 2 of {len(rows) + 2} rows: line 3 (not JSON: Expecting value), line 4 (not a JSON object)" \
+        in warning
+    (tmp_path / "broken.jsonl").write_text(lines[2] + "\n")
+    with pytest.raises(VitftError, match=r"has no usable row among 1: line 1 \(not JSON: Expecting value\)"):
+        find_dataset(tmp_path / "broken.jsonl")
+
+
+def test_a_second_row_of_the_same_image_is_skipped_and_reported(intel_dir, tmp_path, caplog):
+    """Counted twice, an image could land in both the training and the validation split."""
+    rows = linked(tmp_path, photos(intel_dir, 2))
+    again = [[rows[0][0], rows[0][1]], ["./" + rows[1][0], "sea"]]  # the same file, by the same or another path text
+    path = write_csv(tmp_path / "labels.csv", ["path", "label"], [*map(list, rows), *again])
+    with caplog.at_level(logging.WARNING, logger="vitft"):
+        splits = find_dataset(path, val_split=0.25)
+    assert sorted(p for p, _ in splits.train + splits.val) == sorted(tmp_path / p for p, _ in rows)
+    warning = next(r.getMessage() for r in caplog.records if "skipped" in r.getMessage())
+    assert f"skipped 2 of {len(rows) + 2} rows: line {len(rows) + 2} ({rows[0][0]} repeats line 2: give each image " \
+           f"one row, with all its labels as a|b), line {len(rows) + 3} (./{rows[1][0]} repeats line 3" in warning
+
 @pytest.mark.parametrize("header, rows, options, message", [
     (["file", "tag"], [["a.jpg", "x"]], {}, r"has no label column \(label/labels/class/category\); its columns are "
                                            r"file, tag: name the right one with --label-column"),

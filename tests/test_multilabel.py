@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import CLASSES, REPO
+from conftest import CLASSES, REPO, tiny_classifier
 
 from vit_finetune.config import TrainConfig
 from vit_finetune.data.datasets import find_dataset
@@ -161,3 +161,28 @@ def test_the_card_says_multi_label_and_applies_a_sigmoid(multilabel_run):
     assert "A multi-label Vision Transformer image classifier" in card
     assert ".sigmoid()[0]" in card and 'json.load(f)["thresholds"]' in card and ".softmax(" not in card
     assert "Best validation mAP" in card
+
+
+def test_explain_gives_a_multi_label_model_its_sigmoid_probabilities(class_images):
+    from vit_finetune.tasks.explain import explain
+
+    model = tiny_classifier(("a", "b", "c"))
+    model.pretrained_cfg["multi_label"] = True
+    with torch.no_grad():  # constant logits 3, 2, 1: sigmoids 0.95, 0.88, 0.73 (a softmax would give 0.67, 0.24, 0.09)
+        model.head.weight.zero_()
+        model.head.bias.copy_(torch.tensor([3.0, 2.0, 1.0]))
+    image = sorted((class_images / "forest").glob("*.jpg"))[0]
+    for method in ("rollout", "gradcam"):
+        [result] = explain(model, image, method=method, device="cpu", precision="fp32")
+        assert result.labels == ["a", "b", "c"]
+        assert result.probs == pytest.approx(torch.tensor([3.0, 2.0, 1.0]).sigmoid().tolist(), abs=1e-6)
+
+
+def test_evaluating_a_label_file_with_an_unknown_class_says_which_rows_to_remove(class_images, tmp_path):
+    model = tiny_classifier(("forest", "sea"))
+    model.pretrained_cfg["multi_label"] = True
+    forest = sorted((class_images / "forest").glob("*.jpg"))[:2]
+    (tmp_path / "test.csv").write_text(f"path,labels\n{forest[0]},forest\n{forest[1]},forest|lava\n")
+    with pytest.raises(VitftError, match=r"class 'lava' in the data is not known to the model \(its classes: forest, "
+                                         r"sea\); remove its images \(class folders, or label-file rows\) from"):
+        evaluate(model, tmp_path / "test.csv", output=None, workers=0, device="cpu")

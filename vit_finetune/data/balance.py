@@ -96,18 +96,20 @@ class ClassBalancedSampler(Sampler[int]):
         return self.num_samples
 
 
-def imbalance_warnings(train_counts: dict[str, int], balance: str) -> list[str]:
+def imbalance_warnings(train_counts: dict[str, int], balance: str, multi_label: bool = False) -> list[str]:
     """Warnings about the training classes: one far larger than another (IMBALANCE_RATIO), classes without images,
-    and classes with fewer than FEW_IMAGES images; each says what to do."""
+    and classes with fewer than FEW_IMAGES images; each says what to do (never --balance, which multi-label data
+    refuses, for multi-label data)."""
     present = {c: n for c, n in train_counts.items() if n > 0}
     warnings = []
     if present:
         largest, smallest = max(present, key=present.get), min(present, key=present.get)
         ratio = present[largest] / present[smallest]
         if ratio > IMBALANCE_RATIO and balance == "none":
+            fix = "read per-class AP and macro F1, not mAP alone" if multi_label else \
+                "try --balance sampler (or loss, sqrt), and read balanced accuracy and macro F1, not top-1"
             warnings.append(f"imbalanced classes: {largest} has {present[largest]} training images, {ratio:.0f}x "
-                            f"{smallest}'s {present[smallest]}; the model will favour the large classes: try "
-                            "--balance sampler (or loss, sqrt), and read balanced accuracy and macro F1, not top-1")
+                            f"{smallest}'s {present[smallest]}; the model will favour the large classes: {fix}")
     empty = [c for c, n in train_counts.items() if n == 0]
     if empty:  # no sampler or weight can give a class without images a share: the model never predicts it
         warnings.append(f"class(es) with no training images: {', '.join(empty)}; the model cannot learn to predict "
@@ -117,6 +119,7 @@ def imbalance_warnings(train_counts: dict[str, int], balance: str) -> list[str]:
     if few:
         fix = "--balance sampler or loss gives them their share of the training" if balance == "none" else \
             f"--balance {balance} gives them their share, but cannot add variety"
+        fix = "rare labels are learnt least well" if multi_label else fix
         warnings.append(f"class(es) with fewer than {FEW_IMAGES} training images: {', '.join(few)}; add images if "
                         f"you can; {fix}")
     return warnings

@@ -2,10 +2,11 @@
 as labelling tools export them. Reads the file and the image headers only.
 
 Paths are relative to the file's folder, or absolute. A relative path that leads out of that folder (`../x.jpg`)
-(by its text: symlinks inside the folder may point anywhere)
-is a bad row, as are a missing file, an empty label and an unreadable image: each is skipped, counted and
-reported by line number, and none stops the run. Several labels in a row (`a|b`, `a;b`, or a JSON list in JSONL)
-make the task multi-label. Labels that are all numbers are taken as class names (with a warning), ordered by value.
+(by its text: symlinks inside the folder may point anywhere) is a bad row, as are a missing file, an empty label,
+an unreadable image, a JSONL line that is no JSON object and a second row of the same image: each is skipped,
+counted and reported by line number, and none stops the run. Several labels in a row (`a|b`, `a;b`, or a JSON
+list in JSONL) make the task multi-label. Labels that are all numbers are taken as class names (with a warning),
+ordered by value.
 """
 from __future__ import annotations
 
@@ -42,14 +43,16 @@ def read_label_file(path: str | os.PathLike, image_column: Optional[str] = None,
     if not path.is_file():
         raise VitftError(f"label file {path} {'is not a file' if path.exists() else 'does not exist'}; pass a "
                          f".csv, .tsv or .jsonl with one row per image")
-    records = _records(path)
-    if not records:
+    records, broken = _records(path)
+    if not records and not broken:
         raise VitftError(f"label file {path} has no rows; add one row per image (a path and a label)")
+    if not records:
+        raise VitftError(f"label file {path} has no usable row among {len(broken)}: {few(broken)}")
     columns = list(dict.fromkeys(k for _, record in records[:100] for k in record))
     image_key = _column(columns, image_column, IMAGE_COLUMNS, "image", path)
     label_key = _column(columns, label_column, LABEL_COLUMNS, "label", path)
     split_key = next((c for c in columns if c.lower() == "split"), None)
-    root, rows, bad = path.parent.resolve(), [], []
+    root, rows, bad, first_line = path.parent.resolve(), [], list(broken), {}
     for line, record in records:
         split = _split_name(record.get(split_key), line, path) if split_key else None
         labels = _labels(record.get(label_key))
@@ -61,6 +64,10 @@ def read_label_file(path: str | os.PathLike, image_column: Optional[str] = None,
             bad.append(f"line {line} (no label)")
         elif not file.is_absolute() and not Path(os.path.normpath(root / file)).is_relative_to(root):
             bad.append(f"line {line} ({image} is outside {root}: give it as an absolute path)")
+        elif (seen := first_line.setdefault(os.path.normpath(root / file), line)) != line:
+            # an image listed twice would count twice, and could be trained on and validated on
+            bad.append(f"line {line} ({image} repeats line {seen}: give each image one row, with all its labels "
+                       f"as a|b)")
         else:
             rows.append((line, file if file.is_absolute() else root / file, labels, split))
     with ThreadPoolExecutor(8) as pool:  # header reads only, threads hide the latency of network file systems
@@ -69,9 +76,11 @@ def read_label_file(path: str | os.PathLike, image_column: Optional[str] = None,
             for (line, p, _, _), why in zip(rows, found) if isinstance(why, str)]
     rows = [row for row, why in zip(rows, found) if not isinstance(why, str)]
     if bad:
-        log.warning("%s: skipped %d of %d rows: %s", path.name, len(bad), len(records), few(sorted(bad, key=_line)))
+        log.warning("%s: skipped %d of %d rows: %s", path.name, len(bad), len(records) + len(broken),
+                    few(sorted(bad, key=_line)))
     if not rows:
-        raise VitftError(f"label file {path} has no usable row among {len(records)}: {few(bad)}")
+        raise VitftError(f"label file {path} has no usable row among {len(records) + len(broken)}: "
+                         f"{few(sorted(bad, key=_line))}")
     names = {name for _, _, labels, _ in rows for name in labels}
     numeric = all(_is_number(n) for n in names)
     if numeric:
@@ -86,10 +95,11 @@ def _line(text: str) -> int:
     return int(text.split()[1])
 
 
-def _records(path: Path) -> list[tuple[int, dict]]:
-    """(line number, {column: value}) of each non-empty row."""
+def _records(path: Path) -> tuple[list[tuple[int, dict]], list[str]]:
+    """(line number, {column: value}) of each non-empty row, and the JSONL lines that are no JSON object (bad
+    rows, as "line N (why)": one broken line of a long export should not stop the run)."""
     if path.suffix.lower() == ".jsonl":
-        records = []
+        records, broken = [], []
         with open(path, encoding="utf-8-sig") as f:
             for line, text in enumerate(f, 1):
                 if not text.strip():
@@ -97,15 +107,16 @@ def _records(path: Path) -> list[tuple[int, dict]]:
                 try:
                     record = json.loads(text)
                 except json.JSONDecodeError as err:
-                    raise VitftError(f"{path} line {line} is not JSON ({err.msg}); write one JSON object per line")
-                if not isinstance(record, dict):
-                    raise VitftError(f"{path} line {line} is not a JSON object; write one {{\"path\": ..., "
-                                     f"\"label\": ...}} per line")
-                records.append((line, record))
-        return records
+                    broken.append(f"line {line} (not JSON: {err.msg})")
+                    continue
+                if isinstance(record, dict):
+                    records.append((line, record))
+                else:
+                    broken.append(f"line {line} (not a JSON object)")
+        return records, broken
     with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
-        return [(reader.line_num, record) for record in reader if any((v or "").strip() for v in record.values())]
+        return [(reader.line_num, record) for record in reader if any((v or "").strip() for v in record.values())], []
 
 
 def _column(columns: list[str], given: Optional[str], candidates: tuple[str, ...], what: str, path: Path) -> str:

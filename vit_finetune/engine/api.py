@@ -72,7 +72,8 @@ def finetune(config: TrainConfig | dict | None = None, resume: Optional[str | Pa
             folder.write_train_config(cfg.to_dict())
             for line in trainer.describe():
                 log.info(line)
-            for line in imbalance_warnings(trainer.splits.class_counts().get("train", {}), cfg.balance):
+            for line in imbalance_warnings(trainer.splits.class_counts().get("train", {}), cfg.balance,
+                                           trainer.multi_label):
                 log.warning(line)
             if state is not None:
                 log.info("resuming %s at epoch %d, step %d", folder.path, trainer.state.epoch + 1,

@@ -146,8 +146,8 @@ def _match_classes(model: VisionTransformer, data_classes: list[str], present: l
             raise VitftError(
                 f"class{'es' if len(unknown) > 1 else ''} {', '.join(repr(c) for c in unknown)} in the data "
                 f"{'are' if len(unknown) > 1 else 'is'} not known to the model (its classes: {shown}); remove "
-                f"{'those folders' if len(unknown) > 1 else 'that folder'} or evaluate a model trained on "
-                f"{'them' if len(unknown) > 1 else 'it'}")
+                f"{'their' if len(unknown) > 1 else 'its'} images (class folders, or label-file rows) from the data "
+                f"or evaluate a model trained on {'them' if len(unknown) > 1 else 'it'}")
         return names, [names.index(c) if c in names else -1 for c in data_classes], "model"
     if k != len(data_classes):
         raise VitftError(f"the model has no label names and {k} outputs, but the data has {len(data_classes)} "

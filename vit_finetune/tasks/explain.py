@@ -47,7 +47,7 @@ from ..files import atomic_write, printable
 from ..models.vit import VisionTransformer
 from ..runtime import choose_precision, compute_context, model_widths
 from ..weights.preprocessing import preprocessing
-from .inference import ImagesLike, ModelLike, ProgressFn, label_names, prepare_classifier
+from .inference import ImagesLike, ModelLike, ProgressFn, is_multi_label, label_names, prepare_classifier
 from .plots import explanation_figure, save_png
 
 if TYPE_CHECKING:
@@ -368,7 +368,9 @@ def explain(
                 with compute_context(dev, precision):
                     logits, grids, head_grids, targets, left_out = attention_maps(net, x, method, target_index,
                                                                                   drop_sinks)
-                probs, top = logits.softmax(dim=1).topk(k, dim=1)
+                # a multi-label model's classes are each their own sigmoid, not shares of one softmax
+                scores = logits.sigmoid() if is_multi_label(net) else logits.softmax(dim=1)
+                probs, top = scores.topk(k, dim=1)
                 for i, (path, image) in enumerate(loaded):
                     grid = grids[i].cpu().numpy()
                     result = Explanation(
