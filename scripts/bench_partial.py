@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from bench_precision import median_seconds  # scripts/ is on sys.path when a script runs
 
 from vit_finetune import create_model
 from vit_finetune.data.images import load_rgb
@@ -46,16 +46,6 @@ def photos(model: torch.nn.Module, count: int) -> tuple[torch.Tensor, torch.Tens
     picked = [(files[i % len(classes)][i // len(classes)], i % len(classes)) for i in range(count)]
     images = torch.stack([transform(image=load_rgb(path))["image"] for path, _ in picked])
     return images, torch.tensor([label for _, label in picked])
-
-
-def median_seconds(run, steps: int, clock) -> float:
-    run()  # warm-up: first-call allocations and kernel selection
-    times = []
-    for _ in range(steps):
-        start = clock()
-        run()
-        times.append(clock() - start)
-    return statistics.median(times)
 
 
 def train_step(model, forward, inputs, labels, precision: str):

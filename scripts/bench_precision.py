@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
+from vit_finetune import create_model
 from vit_finetune.config import load_recipe
 from vit_finetune.runtime import compute_context
-from vit_finetune.weights import create_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASSES = 6  # the Intel scene photos

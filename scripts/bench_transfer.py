@@ -85,9 +85,9 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(["lscpu"], capture_output=True,
-                text=True).stdout.splitlines() if line.startswith("Model name")), "?")
-    print(f"CPU: {cpu}, capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores, load "
+    from vit_finetune.runtime import cpu_model
+
+    print(f"CPU: {cpu_model()}, capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores, load "
           f"{os.getloadavg()[0]:.1f}; precision {args.precision}; budget {args.budget:g} min per way; "
           f"{args.train_per_class} train / {args.val_per_class} val photos per class")
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,12 +7,14 @@ test_import_is_lazy_and_the_public_api_still_works).
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "vit_finetune"
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "vit_finetune"
 MAX_FILE_LINES = 500
 MAX_DEFINITION_LINES = 300
 
@@ -153,3 +155,11 @@ def _long_definitions(path: Path) -> list[tuple[str, int]]:
 @pytest.mark.parametrize("path", FILES, ids=module_name)
 def test_no_function_or_class_over_300_lines(path):
     assert _long_definitions(path) == [], f"{_relative(path)}: (name, lines) over the limit"
+
+
+@pytest.mark.parametrize("script", sorted(p.stem for p in (REPO / "scripts").glob("*.py")))
+def test_every_script_imports(script, monkeypatch):
+    """The benchmarks and helpers import what the package has now (a script importing a moved name fails here,
+    not when someone next runs it); scripts/ is on sys.path as when a script runs."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    importlib.import_module(script)

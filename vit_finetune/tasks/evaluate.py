@@ -11,7 +11,6 @@ import dataclasses
 import logging
 import os
 import re
-import time
 from pathlib import Path
 from typing import Optional, Union
 
@@ -37,7 +36,7 @@ from .inference import (
     ProgressFn,
     check_model_source,
     check_runtime,
-    infer,
+    infer_all,
     is_multi_label,
     prepare_model,
     top_k_hits,
@@ -239,18 +238,8 @@ def evaluate(
     dataset = ImageDataset([(p, to_model[label]) for p, label in samples], transform, img_size=size,
                            crop_pct=preprocessing(net.pretrained_cfg).crop_pct, return_index=True,
                            name=f"{data_info['split']} images")
-    skipped = [str(p) for p in dataset.unreadable]
-    keep, logps = [], []
-    start = time.perf_counter()
-    for requested, decoded, logp in infer(net, dataset, batch_size, workers, dev, precision, tta, progress,
-                                          threads):
-        skipped += [str(dataset.paths[i]) for i in requested[~decoded].tolist()]
-        keep += requested[decoded].tolist()
-        logps.append(logp[decoded])
-    seconds = time.perf_counter() - start
-    if not keep:
-        raise VitftError(f"none of the {len(samples)} images in {data} could be decoded")
-    logp = torch.cat(logps)
+    keep, logp, skipped, seconds = infer_all(net, dataset, batch_size, workers, dev, precision, tta, progress,
+                                             threads)
     target = torch.tensor([dataset.labels[i] for i in keep], dtype=torch.long)
     _, top5 = top_k_hits(logp, target)
     pred = logp.argmax(dim=1).numpy()

@@ -7,6 +7,7 @@ import functools
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Optional, Union
@@ -153,3 +154,21 @@ def infer(model: VisionTransformer, dataset: ImageDataset, batch_size: int, work
                     progress(done, len(dataset))
     finally:
         model.train(was_training)
+
+
+def infer_all(model: VisionTransformer, dataset: ImageDataset, batch_size: int, workers: Optional[int],
+              device: torch.device, precision: str, tta: bool, progress: Optional[ProgressFn],
+              threads: Optional[int] = None) -> tuple[list[int], torch.Tensor, list[str], float]:
+    """infer() over the whole dataset: (indices of the images decoded, their log-probabilities in that order, the
+    files skipped (unreadable, or failed to decode), seconds). Raises when no image could be decoded."""
+    skipped = [str(p) for p in dataset.unreadable]
+    keep, logps = [], []
+    start = time.perf_counter()
+    for requested, decoded, logp in infer(model, dataset, batch_size, workers, device, precision, tta, progress,
+                                          threads):
+        skipped += [str(dataset.paths[i]) for i in requested[~decoded].tolist()]
+        keep += requested[decoded].tolist()
+        logps.append(logp[decoded])
+    if not keep:
+        raise VitftError(f"none of the {len(dataset)} {dataset.name} could be decoded")
+    return keep, torch.cat(logps), skipped, time.perf_counter() - start

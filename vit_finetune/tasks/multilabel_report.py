@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Union
@@ -17,11 +16,10 @@ import torch
 
 from ..data.labels import multi_hot
 from ..data.loaders import ImageDataset
-from ..errors import VitftError
 from ..files import atomic_write, printable, printable_tree
 from ..models.vit import VisionTransformer
 from ..run_folder import RunFolder
-from .inference import ProgressFn, infer, thresholds
+from .inference import ProgressFn, infer_all, thresholds
 from .multilabel import multilabel_metrics, pr_curve
 from .plots import pr_curves_figure, save_png
 
@@ -84,18 +82,9 @@ def evaluate_multilabel(net: VisionTransformer, dataset: ImageDataset, classes: 
                         output: Union[str, os.PathLike, None]) -> MultiLabelReport:
     """Run the model over `dataset` (multi-hot labels in the model's class order) and report; `context` holds the
     report's model, data, preprocessing and runtime entries."""
-    skipped = [str(p) for p in dataset.unreadable]
-    keep, logps = [], []
-    start = time.perf_counter()
-    for requested, decoded, logp in infer(net, dataset, batch_size, workers, device, precision, tta, progress,
-                                          threads):
-        skipped += [str(dataset.paths[i]) for i in requested[~decoded].tolist()]
-        keep += requested[decoded].tolist()
-        logps.append(logp[decoded])
-    seconds = time.perf_counter() - start
-    if not keep:
-        raise VitftError(f"none of the {len(dataset)} images could be decoded")
-    logp = torch.cat(logps).double()
+    keep, logp, skipped, seconds = infer_all(net, dataset, batch_size, workers, device, precision, tta, progress,
+                                             threads)
+    logp = logp.double()
     probs = logp.exp().numpy()
     targets = torch.stack([multi_hot(dataset.labels[i], len(classes)) for i in keep]).numpy()
     # binary cross-entropy from log-probabilities: log(1 - p) = log1p(-p), safe for p < 1
