@@ -166,9 +166,9 @@ class TimeBudget(Callback):
         if index != self.index:  # a phase starts (or the run resumes): time it afresh
             self.index, self.steps_seen, self.measured, self.epoch_ends = index, 0, False, []
             self.step_s, self.epoch_step_s = None, []
-            if index not in self.ends_by:
-                share = self._share(index)
-                self.ends_by[index] = self.mark + share * (self.budget_s * (1 - MARGIN) - self.mark)
+            if index not in self.ends_by:  # its share of what is left after its one-time pass (features), not
+                share, used = self._share(index), self.used()  # before it: the pass is no epoch's to repay
+                self.ends_by[index] = used + share * (self.budget_s * (1 - MARGIN) - used)
         else:
             self.epoch_ends.append(now - self.last_step)
             if index in self.plans:
