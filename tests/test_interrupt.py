@@ -55,13 +55,13 @@ def test_sigterm_in_the_feature_pass_stops_within_a_batch_and_resumes(two_classe
                                                                       monkeypatch):
     extract, calls = phases.extract_features, []
 
-    def extract_then_signal(model, loader, device, precision, views=1, progress=None, check_stop=None):
+    def extract_then_signal(model, loader, device, precision, views=1, progress=None, check_stop=None, *rest):
         if calls:  # one signal: a second one would give up at once (KeyboardInterrupt)
             calls.append([])
-            return extract(model, loader, device, precision, views, progress, check_stop)
+            return extract(model, loader, device, precision, views, progress, check_stop, *rest)
         signalling, seen = _signal_on_first_call(progress)
         calls.append(seen)
-        return extract(model, loader, device, precision, views, signalling, check_stop)
+        return extract(model, loader, device, precision, views, signalling, check_stop, *rest)
 
     monkeypatch.setattr(phases, "extract_features", extract_then_signal)
     out = tmp_path / "features"

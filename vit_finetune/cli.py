@@ -303,8 +303,7 @@ def evaluate_cmd(
 def shards_cmd(
     src: str = typer.Argument(..., help="Data in any form finetune's --data takes: a folder, hf:NAME, a "
                               "save_to_disk or parquet dataset, tar shards."),
-    out: Path = typer.Argument(..., help="Folder for the shards (train-000000.tar, val-..., test-...) and "
-                               "classes.json."),
+    out: Path = typer.Argument(..., help="Folder for the shards (train-000000.tar, val-..., ...) and classes.json."),
     shard_size: int = typer.Option(1000, help="Images per shard."),
     val_split: float = typer.Option(0.1, help="Validation fraction split off data without a validation split, "
                                     "as finetune splits it."),
