@@ -60,7 +60,8 @@ def run_way(args: argparse.Namespace, data: Path, out: Path, extra: list[str]) -
     proc = subprocess.run(command, capture_output=True, text=True)
     wall = time.monotonic() - start
     if proc.returncode != 0:
-        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+        lines = [line for line in proc.stderr.strip().splitlines() if not line.startswith("peak_rss_kb")]
+        return {"error": (lines or ["?"])[-1]}
     rows = list(csv.DictReader((out / "metrics.csv").open()))
     trainable = trained_parameters(out / "last" / "checkpoint.pt")
     tuned = [r for r in rows if int(r["epoch"]) > args.head_epochs] or rows
